@@ -469,8 +469,14 @@ class RegexCompiler {
         for (int32_t k : node.kids) alts.push_back(emit(k));
         return {g_->any_of(std::move(alts))};
       }
-      case Node::kRepeat:
-        return {g_->repeat(emit(node.kids[0]), node.min, node.max)};
+      case Node::kRepeat: {
+        // An item of several symbols becomes one rule first: repeat() writes its item out once
+        // per required copy and optional link, so (?:abcdefghij){10000} would take ten times the
+        // symbols (and a group of 400 characters, 400 times).
+        Sequence item = emit(node.kids[0]);
+        if (item.size() > 1) item = {g_->any_of({std::move(item)})};
+        return {g_->repeat(item, node.min, node.max)};
+      }
     }
     return {};
   }

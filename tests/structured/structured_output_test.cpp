@@ -151,6 +151,14 @@ std::string nested_groups(int depth) {
   return std::string(size_t(depth), '(') + "a" + std::string(size_t(depth), ')');
 }
 
+// (?:a|b(?:a|b(?:...)+)+)+ with `depth` groups: each a repeat of a choice holding a sequence,
+// so that the tree (and the recursion that emits it) nests as deep as the groups.
+std::string nested_choices(int depth) {
+  std::string pattern = "a";
+  for (int i = 0; i < depth; ++i) pattern = "(?:a|b" + pattern + ")+";
+  return pattern;
+}
+
 // {"$ref": "#/$defs/a0"}, each a<i> a $ref to a<i+1>, the last a string.
 std::string ref_chain(int length) {
   auto name = [](int i) {
@@ -170,11 +178,15 @@ TEST(StructuredOutput, NestingPastTheLimitIsRefusedWhereTheLimitFitsASmallStack)
   using K = OutputSpec::Kind;
   const int limit = Grammar::kMaxNesting;
   EXPECT_EQ(compile_error(K::kRegex, nested_groups(limit)), "(compiled)");
+  EXPECT_EQ(compile_error(K::kRegex, nested_choices(limit)), "(compiled)");
+  EXPECT_EQ(schema_error({{"type", "string"}, {"pattern", nested_choices(limit)}}), "(compiled)");
   EXPECT_EQ(compile_error(K::kJsonSchema, ref_chain(limit - 2)), "(compiled)");
   for (int depth : {limit + 1, 200'000}) {
     const std::string regex = compile_error(K::kRegex, nested_groups(depth));
     EXPECT_NE(regex.find("groups nest deeper than 1000 levels"), std::string::npos) << regex;
   }
+  const std::string choices = compile_error(K::kRegex, nested_choices(limit + 1));
+  EXPECT_NE(choices.find("groups nest deeper than 1000 levels"), std::string::npos) << choices;
   // (Chains of more than 4096 $defs are refused for the size of that object, below.)
   for (int length : {limit + 1, 4000}) {
     const std::string schema = compile_error(K::kJsonSchema, ref_chain(length));
@@ -1952,6 +1964,27 @@ TEST(StructuredOutput, APatternBesideLengthsThatAddNothingIsParsedOnce) {
     EXPECT_EQ(g.size(), plain.size());
     EXPECT_EQ(g.rules(), plain.rules());
   }
+}
+
+// A group repeated is one symbol of its repeat's item, however long the group: the grammar grows
+// with the count, not with the count times the group (after the compiler began emitting from the
+// parse tree, `(?:` + 400 'a's + `){10000}` took over 4,000,000 symbols and was refused as too
+// large, where before it compiled in about 11,000).
+TEST(StructuredOutput, ARepeatedGroupCostsItsCountNotItsCountTimesItsLength) {
+  using K = OutputSpec::Kind;
+  EXPECT_EQ(compile_error(K::kRegex, "^(?:" + std::string(400, 'a') + "){10000}$"), "(compiled)");
+  Grammar g;
+  g.finish(regex_rule(g, "(?:abcdefghij){10000}"));
+  EXPECT_LT(g.symbols(), 20'000u);
+  // And it matches what it matched.
+  const auto ten = compile({K::kRegex, "(?:abc|de){2,3}x", "f"});
+  for (const auto& [text, accepted] :
+       std::vector<std::pair<std::string, bool>>{{"abcdex", true},
+                                                 {"deabcdex", true},
+                                                 {"abcx", false},
+                                                 {"dededex", true},
+                                                 {"dedededex", false}})
+    EXPECT_EQ(full_match(ten, text), accepted) << text;
 }
 
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
