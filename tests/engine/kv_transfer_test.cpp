@@ -1037,14 +1037,14 @@ class TaskQueue {
   bool run_until(const std::function<bool()>& done) {
     const auto limit = std::chrono::steady_clock::now() + kHangGuard;
     while (!done()) {
+      // Checked whatever comes: agents that keep posting (a peer that keeps talking) must not
+      // hold the test past the guard either.
+      if (std::chrono::steady_clock::now() > limit) return false;
       KvTransferAgent::Task task;
       {
         std::unique_lock lock(mutex_);
         posted_.wait_for(lock, 20ms, [&] { return !tasks_.empty(); });
-        if (tasks_.empty()) {
-          if (std::chrono::steady_clock::now() > limit) return false;
-          continue;
-        }
+        if (tasks_.empty()) continue;
         task = std::move(tasks_.front());
         tasks_.pop_front();
       }
@@ -1309,9 +1309,13 @@ class KvTransferAgents : public ::testing::Test {
   }
   Outcome fetch(KvFetch f) { return fetch(*decode_, std::move(f)); }
 
-  KvFetchResult wait(const Outcome& o) {
-    EXPECT_TRUE(queue_.run_until([&] { return o->has_value(); })) << "the fetch never finished";
-    return o->value_or(KvFetchResult{false, "(never finished)", 0});
+  // The fetch's result; a fetch that never finishes fails the run (testing::fail_hung), as its
+  // peer may be a FakePrefill still sending, whose end would otherwise wait for it.
+  KvFetchResult wait(const Outcome& o,
+                     const std::source_location& where = std::source_location::current()) {
+    if (!queue_.run_until([&] { return o->has_value(); }))
+      testing::fail_hung("the fetch never finished", kHangGuard, where);
+    return o->value();
   }
 
   KvTransferAgent::RoomDone room_done(RoomOutcome& out) {
@@ -2631,15 +2635,22 @@ TEST_F(KvTransferAgents, AMalformedRegisterRequestIsAnsweredWithAnError) {
 // ------------------------------------------------------------------------------- fake prefill
 
 // A prefill server that speaks the wire by hand: `script` answers the first frame of one
-// connection (checked to be a pull) and then the connection closes.
+// connection (checked to be a pull) and then the connection closes. Its end shuts that
+// connection down, so a script still sending (a prefill that keeps a room waiting) stops there
+// instead of holding the test's end until it gives up on its own.
 class FakePrefill {
  public:
   using Script = std::function<void(KvConnection&, const json& request)>;
   explicit FakePrefill(Script script, KvFrameType request = KvFrameType::kPull)
       : transport_(make_tcp_transport({5000ms})), listener_(transport_->listen("127.0.0.1", 0)) {
     thread_ = std::thread([this, script = std::move(script), request] {
-      auto conn = listener_->accept();
+      std::shared_ptr<KvConnection> conn = listener_->accept();
       if (!conn) return;
+      {
+        std::lock_guard lock(mutex_);
+        if (ending_) return;
+        conn_ = conn;
+      }
       try {
         const KvFrame f = conn->receive(1 << 20);
         EXPECT_EQ(f.type, request);
@@ -2649,10 +2660,17 @@ class FakePrefill {
       } catch (const std::exception& e) {
         ADD_FAILURE() << "fake prefill: " << e.what();
       }
+      std::lock_guard lock(mutex_);
+      conn_.reset();  // with `conn`, the last owner: the connection closes as the script ends
     });
   }
   ~FakePrefill() {
     listener_->close();
+    {
+      std::lock_guard lock(mutex_);
+      ending_ = true;
+      if (conn_) conn_->shutdown();  // the script's next send or receive fails: it ends
+    }
     thread_.join();
   }
   uint16_t port() const { return listener_->port(); }
@@ -2660,6 +2678,9 @@ class FakePrefill {
  private:
   std::unique_ptr<KvTransport> transport_;
   std::unique_ptr<KvListener> listener_;
+  std::mutex mutex_;
+  bool ending_ = false;                 // guarded by mutex_
+  std::shared_ptr<KvConnection> conn_;  // the accepted connection; guarded by mutex_
   std::thread thread_;
 };
 
@@ -2844,13 +2865,12 @@ TEST_F(KvTransferAgents, MalformedLayerFramesAreRejected) {
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
-// Sends `progress` (a computed_tokens value each time it is called) every 50 ms until the decode
-// engine leaves or the hang guard is well past.
+// Sends `progress` (a computed_tokens value each time it is called) every 50 ms until a send
+// fails: the decode engine left, or the FakePrefill ended (shut the connection down).
 void keep_sending_progress(KvConnection& conn, const std::function<json()>& progress) {
-  for (auto until = std::chrono::steady_clock::now() + 2 * kHangGuard;
-       std::chrono::steady_clock::now() < until;) {
+  for (;;) {
     send_text(conn, KvFrameType::kProgress, json{{"computed_tokens", progress()}}.dump());
-    std::this_thread::sleep_for(50ms);
+    std::this_thread::sleep_for(50ms);  // a prefill's pace, not a wait for another thread
   }
 }
 
