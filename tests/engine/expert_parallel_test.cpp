@@ -21,6 +21,7 @@
 #include "engine/engine_process.h"
 #include "net/http_client.h"
 #include "text/oracle_support.h"
+#include "util/thread_state.h"
 
 namespace tandem::engine {
 namespace {
@@ -35,15 +36,8 @@ std::vector<pid_t> children_of(pid_t parent) {
   while (dirent* e = readdir(d)) {
     const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
     if (pid <= 0) continue;
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    if (!std::getline(stat, line)) continue;
-    // pid (comm) state ppid ...: comm may hold spaces, so parse after the last ')'.
-    std::istringstream rest(line.substr(line.rfind(')') + 1));
-    std::string state;
-    pid_t ppid = 0;
-    rest >> state >> ppid;
-    if (ppid == parent && state != "Z") out.push_back(pid);
+    const testing::ProcStat s = testing::read_proc_stat("/proc/" + std::to_string(pid) + "/stat");
+    if (s.error == 0 && s.parent == parent && s.state != 'Z') out.push_back(pid);
   }
   closedir(d);
   return out;
@@ -51,13 +45,8 @@ std::vector<pid_t> children_of(pid_t parent) {
 
 // Running (not a zombie, not gone).
 bool running(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return false;
-  std::istringstream rest(line.substr(line.rfind(')') + 1));
-  std::string state;
-  rest >> state;
-  return state != "Z" && state != "X";
+  const testing::ProcStat s = testing::read_proc_stat("/proc/" + std::to_string(pid) + "/stat");
+  return s.error == 0 && s.state != 'Z' && s.state != 'X';
 }
 
 std::vector<int32_t> prompt(int n, int base) {

@@ -7,16 +7,20 @@
 // thread, a server's stop for the requests it holds), so the run would hang there instead.
 #include <gtest/gtest.h>
 #include <sys/types.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <cstring>
 #include <future>
 #include <source_location>
 #include <string>
 #include <string_view>
 #include <thread>
+
+#include "util/thread_state.h"
 
 namespace tandem::testing {
 
@@ -63,21 +67,25 @@ void repeat_until(Step&& step, std::chrono::seconds limit, std::string_view what
 // accept, a futex wait) or has ended: how a test lets another thread reach the call it blocks in
 // before acting, where either order must work but the blocked one is the order worth testing, or
 // before checking what that thread must not have done yet. It waits on the thread's state
-// (/proc/self/task/TID/stat), not for a guessed time.
+// (/proc/self/task/TID/stat), not for a guessed time. A thread is taken to have ended only when
+// its entry is gone from a /proc/self/task that can be read; a state it cannot read (no /proc,
+// a sandbox that hides it) fails the test, rather than passing it for a thread that never ran.
 inline void wait_until_asleep(pid_t tid, std::string_view what = "the thread never blocked",
                               std::chrono::seconds limit = kHangGuard,
                               const std::source_location& where = std::source_location::current()) {
   const std::string stat = "/proc/self/task/" + std::to_string(tid) + "/stat";
   repeat_until(
       [&] {
-        std::ifstream file(stat);
-        std::string line;
-        if (!std::getline(file, line)) return true;  // ended
-        // "TID (NAME) STATE ...": NAME may hold spaces and parentheses, the last ')' ends it.
-        const size_t name_end = line.rfind(')');
-        if (name_end == std::string::npos || name_end + 2 >= line.size()) return false;
-        const char state = line[name_end + 2];
-        return state == 'S' || state == 'D' || state == 'Z' || state == 'X';
+        const ProcStat s = read_proc_stat(stat);
+        if (s.error == ENOENT && ::access("/proc/self/task", R_OK) == 0) return true;  // ended
+        if (s.error != 0) {
+          ADD_FAILURE_AT(where.file_name(), where.line())
+              << what << ": cannot observe thread state (" << stat << ": " << std::strerror(s.error)
+              << ")";
+          std::fflush(stdout);
+          std::abort();  // as fail_hung: the test's destructors may wait for that thread
+        }
+        return s.state == 'S' || s.state == 'D' || s.state == 'Z' || s.state == 'X';
       },
       limit, what, where);
 }
