@@ -1,11 +1,37 @@
 #include "structured/tool_call_grammar.h"
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "structured/json_schema.h"
 #include "util/error.h"
 
 namespace tandem::structured {
+
+namespace {
+
+// For a schema that passed the grammar's size: the symbols the functions' schemas before it
+// took, where they took an eighth of the grammar or more, naming those of a 64th or more,
+// largest first ("" where they took less).
+std::string taken_before(std::vector<std::pair<std::string, size_t>> taken) {
+  size_t total = 0;
+  for (const auto& t : taken) total += t.second;
+  if (total < Grammar::kMaxSymbols / 8) return "";
+  std::stable_sort(taken.begin(), taken.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::string named;
+  for (const auto& [name, symbols] : taken) {
+    if (symbols < Grammar::kMaxSymbols / 64) break;
+    named += named.empty() ? ": " : ", ";
+    named += "function '" + name + "' (" + std::to_string(symbols) + " symbols)";
+  }
+  return " (" + std::to_string(total) + " symbols were taken by the schemas before this one" +
+         named + ")";
+}
+
+}  // namespace
 
 Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls) {
   auto text = [&](const char* k) {
@@ -18,6 +44,9 @@ Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls)
   if (functions == calls.end() || !functions->is_array() || functions->empty())
     throw Error("tool calls: no functions to call");
   std::vector<Grammar::Sequence> one_call;
+  // The symbols each function's schema took: the functions share one grammar, and a schema that
+  // passes its size names only its own bounds, though those before it may have taken most.
+  std::vector<std::pair<std::string, size_t>> taken;
   for (const auto& f : *functions) {
     const std::string name = f.at("name").get<std::string>();
     // Arguments are always a JSON object (a parser reads them as one): without parameters, or
@@ -28,7 +57,12 @@ Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls)
     try {
       if (!is_object_schema(params))
         throw Error("arguments are a JSON object: the schema needs \"type\": \"object\"");
+      const size_t before = g.symbols();
       args = json_schema_rule(g, params);
+      taken.emplace_back(name, g.symbols() - before);
+    } catch (const GrammarTooLarge& e) {
+      throw GrammarTooLarge("function '" + name + "' parameters: " + e.what() +
+                            taken_before(taken));
     } catch (const Error& e) {
       throw Error("function '" + name + "' parameters: " + e.what());
     }

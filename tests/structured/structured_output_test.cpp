@@ -22,6 +22,7 @@
 #include "structured/output_spec.h"
 #include "structured/regex.h"
 #include "structured/token_constraint.h"
+#include "structured/tool_call_grammar.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -1985,6 +1986,45 @@ TEST(StructuredOutput, ARepeatedGroupCostsItsCountNotItsCountTimesItsLength) {
                                                  {"dededex", true},
                                                  {"dedededex", false}})
     EXPECT_EQ(full_match(ten, text), accepted) << text;
+}
+
+// Tools share one grammar: where a later tool's schema passes its size after an earlier tool's
+// took most of it, the refusal says so, naming the earlier tool (it named only the later tool's
+// bounds, as if they alone had made the grammar too large).
+TEST(StructuredOutput, AToolPastTheGrammarsSizeNamesTheToolsBeforeItThatTookIt) {
+  json big = json::object(), small = json::object();
+  for (int i = 0; i < 9; ++i)  // each about 400,000 symbols
+    big["note" + std::to_string(i)] = {{"type", "string"}, {"maxLength", 100000 - i}};
+  small["text"] = {{"type", "string"}, {"maxLength", 100000}};
+  auto tool = [](const std::string& name, const json& properties) {
+    return json{{"name", name}, {"parameters", {{"type", "object"}, {"properties", properties}}}};
+  };
+  const json calls = {{"open", "<calls>"},
+                      {"call_prefix", "<call>"},
+                      {"after_name", ":"},
+                      {"call_suffix", "</call>"},
+                      {"between", ","},
+                      {"close", "</calls>"},
+                      {"functions", {tool("big_one", big), tool("small_one", small)}}};
+  std::string e = "(compiled)";
+  try {
+    Grammar g;
+    tool_calls_rule(g, nlohmann::ordered_json::parse(calls.dump()));
+  } catch (const Error& error) {
+    e = error.what();
+  }
+  EXPECT_EQ(e.find("function 'small_one' parameters: schema #: the grammar is too large"), 0u) << e;
+  const size_t before = e.find(
+      " symbols were taken by the schemas before this one: function "
+      "'big_one' (");
+  EXPECT_NE(before, std::string::npos) << e;
+  // Each alone fits.
+  for (const json& one : {tool("big_one", big), tool("small_one", small)}) {
+    json alone = calls;
+    alone["functions"] = {one};
+    Grammar g;
+    EXPECT_NO_THROW(tool_calls_rule(g, nlohmann::ordered_json::parse(alone.dump())));
+  }
 }
 
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
