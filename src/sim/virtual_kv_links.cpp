@@ -48,7 +48,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     for (auto& [room, r] : rooms_)
       if (r.decode)
         at(t, [decode = r.decode->endpoint, id = r.decode->request_id] {
-          decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
+          decode->finish_fetch(id, prefills_fault("the prefill engine's connection was reset"));
         });
     for (auto& [room, reg] : registered_) {
       Endpoint* prefill = reg.second;
@@ -143,12 +143,15 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     auto server = net_.servers_.find(address(f.host, f.port));
     if (server == net_.servers_.end()) {
       at(arrive + net_.link_.latency_s, [this, id, where = address(f.host, f.port)] {
-        finish_fetch(id, {false, "cannot connect to the KV transfer server at " + where, 0});
+        finish_fetch(id, prefills_fault("cannot connect to the KV transfer server at " + where));
       });
       return;
     }
     Endpoint* prefill = server->second;
-    at(arrive, [this, prefill, f = std::move(f)]() mutable { reach(prefill, std::move(f)); });
+    const TimePoint started = time_at(now_());
+    at(arrive, [this, prefill, started, f = std::move(f)]() mutable {
+      reach(prefill, std::move(f), started);
+    });
   }
   void cancel_fetch(const std::string& request_id) override {
     auto it = fetches_.find(request_id);
@@ -231,6 +234,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
 
   static std::string address(const std::string& host, uint16_t port) {
     return host + ":" + std::to_string(port);
+  }
+  // A configured timeout in seconds as the engines' agent writes it.
+  static std::string seconds_text(double s) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", s);
+    return text;
   }
   double now_s() const { return double(net_.clock_.now_ns()) / 1e9; }  // the virtual clock
   gateway::Executor::TimerId at(double seconds, gateway::Executor::Task task) {
@@ -344,13 +353,42 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     return true;
   }
 
-  // Decode side: a request for KV reaches `prefill`'s transfer server, which takes it once its
-  // engine is awake (a stalled engine's server thread is frozen too).
-  void reach(Endpoint* prefill, KvFetch f) {
+  // Decode side: a request for KV, sent at `started`, reaches `prefill`'s transfer server, which
+  // takes it once its engine is awake (a stalled engine's server thread is frozen too). As the
+  // engines' agent (run_fetch): what needs the prefill engine's answer before the transfer (the
+  // shared-memory transport's hello, the secret's handshake, a pull's accept, which a prefill
+  // engine holding the KV gives at once) fails as that engine's fault at the handshake timeout;
+  // a room registered over TCP (to another host, whatever the transport) without a secret waits
+  // in the socket for the prefill's compute, up to the transfer timeout.
+  void reach(Endpoint* prefill, KvFetch f, TimePoint started) {
     if (!fetches_.count(f.request_id)) return;  // cancelled on the way
     const TimePoint now = net_.clock_.now();
     if (const TimePoint awake = prefill->awake_from(now); awake > now) {
-      at(awake, [this, prefill, f = std::move(f)]() mutable { reach(prefill, std::move(f)); });
+      // The shared-memory transport connects through its hello only to an engine of this host
+      // (another host's it reaches over TCP).
+      const bool hello =
+          config_.transport == engine::KvTransportKind::kShm && f.host == config_.advertise_host;
+      const bool answer_needed = f.pull || hello || !config_.secret.empty();
+      const double limit_s = answer_needed ? config_.handshake_timeout_s : config_.timeout_s;
+      const TimePoint give_up = started + duration_of(limit_s);
+      if (awake > give_up) {
+        at(give_up, [this, answer_needed, limit_s, id = f.request_id, room = f.room,
+                     tokens = f.prompt_tokens] {
+          finish_fetch(
+              id, prefills_fault(answer_needed
+                                     ? "the prefill engine did not answer within the handshake "
+                                       "timeout of " +
+                                           seconds_text(limit_s) + " s"
+                                     : "the prefill of bootstrap_room " + std::to_string(room) +
+                                           " made no progress within " + seconds_text(limit_s) +
+                                           " s (0 of its " + std::to_string(tokens) +
+                                           " tokens computed)"));
+        });
+        return;
+      }
+      at(awake, [this, prefill, started, f = std::move(f)]() mutable {
+        reach(prefill, std::move(f), started);
+      });
       return;
     }
     if (f.pull)
@@ -384,7 +422,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
         decode, now, seconds,
         [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
           if (dead_) {
-            decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
+            decode->finish_fetch(id, prefills_fault("the prefill engine's connection was reset"));
             return;
           }
           free_held(transfer, true);
@@ -518,6 +556,16 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   Room* find_room(uint64_t room, uint64_t claim) {
     auto it = rooms_.find(room);
     return it == rooms_.end() || it->second.claim != claim ? nullptr : &it->second;
+  }
+
+  // A fetch's failure that blames the prefill engine (KvFetchResult::prefill_fault), as the
+  // engines' agent blames it for a connection refused or reset and for silence: the gateway
+  // retries the request on another prefill engine.
+  static KvFetchResult prefills_fault(std::string error) {
+    KvFetchResult r;
+    r.error = std::move(error);
+    r.prefill_fault = true;
+    return r;
   }
 
   // Decode side: a fetch ends once.

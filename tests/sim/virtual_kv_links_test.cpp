@@ -208,6 +208,153 @@ TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   EXPECT_EQ(room.error, pushed->error);
 }
 
+// A fetch's outcome and the virtual instant it was posted to the decode engine.
+struct FetchEnd {
+  std::optional<engine::KvFetchResult> result;
+  double at_s = -1;
+};
+
+// A decode engine's fetch from a stalled prefill engine ends as a live engine's does
+// (KvTransferAgent::run_fetch): what needs the prefill's answer before any KV moves (a pull's
+// accept; over shared memory, the transport's hello) fails at the handshake timeout as the
+// prefill's fault, so that the gateway retries the request on another prefill engine; a room
+// registered over TCP without a secret waits in the socket for the prefill's compute, up to the
+// transfer timeout. The two engines share a host. Instants are the virtual clock's.
+class VirtualKvLinksStalledPrefill : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine::KvTransferConfig p;
+    p.engine_id = "prefill";
+    p.port = 1;
+    p.advertise_host = "prefill-host";
+    p.timeout_s = 120;
+    prefill_ = net_.make(p, executor_, post(), now(), [] {});
+  }
+  void make_decode(engine::KvTransportKind transport) {
+    decode_.reset();  // one decode engine of that id at a time
+    engine::KvTransferConfig d;
+    d.engine_id = "decode";
+    d.timeout_s = 120;
+    d.handshake_timeout_s = 5;
+    d.transport = transport;
+    d.advertise_host = "prefill-host";  // one host: shared memory is used where asked for
+    decode_ = net_.make(d, executor_, post(), now(), [] {});
+  }
+  KvTransfers::Post post() {
+    return [this](KvTransfers::Task t) { engine_tasks_.push_back(std::move(t)); };
+  }
+  std::function<double()> now() {
+    return [this] { return seconds_of(clock_.now()); };
+  }
+  engine::KvFetch request(bool pull) {
+    engine::KvFetch f;
+    f.request_id = pull ? "pulled" : "registered";
+    f.pull = pull;
+    f.host = "prefill-host";
+    f.port = 1;
+    f.engine_id = "prefill";
+    f.transfer_id = pull ? prefill_->hold({1, 2}, 1234, 8, [] {}) : "";
+    f.room = 7;
+    f.prompt_hash = 1234;
+    f.prompt_tokens = f.num_tokens = 8;
+    f.local_blocks = {0, 1};
+    return f;
+  }
+  // Runs the links timer by timer up to `until_s` after the test began, and what they post to the
+  // engines at once.
+  void run_until(double until_s) {
+    until_s += start_s_;
+    gateway::Executor::Clock::time_point next;
+    for (;;) {
+      for (size_t i = 0; i < engine_tasks_.size(); ++i) engine_tasks_[i]();
+      engine_tasks_.clear();
+      if (!clock_.next_timer(&next) || next > time_at(until_s)) break;
+      clock_.advance_to(next);
+    }
+  }
+  std::function<void(const engine::KvFetchResult&)> ends(FetchEnd& end) {
+    return [this, &end](const engine::KvFetchResult& r) {
+      end.result = r;
+      end.at_s = seconds_of(clock_.now()) - start_s_;
+    };
+  }
+
+  gateway::VirtualExecutor clock_;
+  const double start_s_ = seconds_of(clock_.now());  // the instants below count from it
+  VirtualKvNetwork net_{clock_, KvLinkModel{}};
+  LayoutOnly executor_;
+  std::vector<KvTransfers::Task> engine_tasks_;
+  std::unique_ptr<KvTransfers> prefill_, decode_;
+};
+
+TEST_F(VirtualKvLinksStalledPrefill, APullFailsAtTheHandshakeTimeoutAsThePrefillsFault) {
+  for (const auto transport : {engine::KvTransportKind::kTcp, engine::KvTransportKind::kShm}) {
+    SCOPED_TRACE(transport == engine::KvTransportKind::kTcp ? "tcp" : "shm");
+    make_decode(transport);
+    const double start_s = seconds_of(clock_.now()) - start_s_;
+    net_.stall("prefill", clock_.now() + duration_of(30));
+    FetchEnd end;
+    decode_->fetch(request(true), ends(end));
+    run_until(start_s + 60);
+    ASSERT_TRUE(end.result.has_value());
+    EXPECT_FALSE(end.result->ok);
+    EXPECT_TRUE(end.result->prefill_fault) << end.result->error;
+    EXPECT_FALSE(end.result->transfer_gone);
+    EXPECT_EQ(end.result->error,
+              "the prefill engine did not answer within the handshake timeout of 5 s");
+    EXPECT_NEAR(end.at_s, start_s + 5, 1e-9);
+  }
+}
+
+TEST_F(VirtualKvLinksStalledPrefill, ARoomOverSharedMemoryFailsAtTheHandshakeTimeout) {
+  make_decode(engine::KvTransportKind::kShm);  // the hello needs the prefill's answer
+  net_.stall("prefill", clock_.now() + duration_of(30));
+  FetchEnd end;
+  decode_->fetch(request(false), ends(end));
+  run_until(60);
+  ASSERT_TRUE(end.result.has_value());
+  EXPECT_FALSE(end.result->ok);
+  EXPECT_TRUE(end.result->prefill_fault) << end.result->error;
+  EXPECT_NEAR(end.at_s, 5, 1e-9);
+}
+
+TEST_F(VirtualKvLinksStalledPrefill, ARoomOverTcpWaitsForTheWakeWithinTheTransferTimeout) {
+  make_decode(engine::KvTransportKind::kTcp);  // the register waits in the socket
+  net_.stall("prefill", clock_.now() + duration_of(30));
+  FetchEnd end;
+  decode_->fetch(request(false), ends(end));
+  run_until(29);
+  EXPECT_FALSE(end.result.has_value());
+  run_until(31);  // awake: the room has its decode leg, which the prefill leg then feeds
+  RoomEnd room;
+  const uint64_t claim =
+      prefill_->open_room(7, 1234, 8, [&room](bool ok, const std::string& e, bool abandoned) {
+        room.ok = ok;
+        room.error = e;
+        room.abandoned = abandoned;
+      });
+  ASSERT_NE(claim, 0u);
+  prefill_->room_layers_done(7, claim, 2);
+  run_until(40);
+  ASSERT_TRUE(end.result.has_value());
+  EXPECT_TRUE(end.result->ok) << end.result->error;
+  EXPECT_EQ(room.ok, std::optional<bool>(true)) << room.error;
+}
+
+TEST_F(VirtualKvLinksStalledPrefill, ARoomOverTcpFailsAtTheTransferTimeoutIfThePrefillSleepsOn) {
+  make_decode(engine::KvTransportKind::kTcp);
+  net_.stall("prefill", clock_.now() + duration_of(200));
+  FetchEnd end;
+  decode_->fetch(request(false), ends(end));
+  run_until(300);
+  ASSERT_TRUE(end.result.has_value());
+  EXPECT_FALSE(end.result->ok);
+  EXPECT_TRUE(end.result->prefill_fault) << end.result->error;
+  EXPECT_NE(end.result->error.find("made no progress within 120 s"), std::string::npos)
+      << end.result->error;
+  EXPECT_NEAR(end.at_s, 120, 1e-9);
+}
+
 // The virtual clock, arming at most `limit` timers: a spin that re-arms one at the same instant
 // ends, and the test sees what it left undone, instead of hanging.
 class BoundedClock final : public gateway::Executor {
@@ -249,6 +396,7 @@ TEST(VirtualKvLinksStalled, ARequestForAStalledEnginesKvIsServedWhenTheStallEnds
   const auto prefill = net.make(p, executor, post, now, [] {});
   engine::KvTransferConfig d;
   d.engine_id = "decode";
+  d.handshake_timeout_s = 1000;  // a pull waits for the wake, as a live engine's would then
   const auto decode = net.make(d, executor, post, now, [] {});
 
   const auto start = clock.now();
