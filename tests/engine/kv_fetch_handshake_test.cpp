@@ -20,6 +20,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -199,6 +200,97 @@ INSTANTIATE_TEST_SUITE_P(, AHungPrefill,
                                            Case{"tcp", "s3cret", false}, Case{"shm", "", true},
                                            Case{"shm", "", false}),
                          case_name);
+
+// A transport whose connect first blocks for `lookup` (a name service answering slowly, as
+// Kubernetes' conntrack race delays an A/AAAA lookup by 5 s), before it calls give_up at all,
+// then connects over TCP as the engines do.
+class SlowLookupTransport : public KvTransport {
+ public:
+  SlowLookupTransport(std::chrono::milliseconds lookup, const TcpTransportOptions& io)
+      : lookup_(lookup), tcp_(make_tcp_transport(io)) {}
+  std::string name() const override { return "slow-lookup"; }
+  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
+                                     SharedView shared) override {
+    return tcp_->listen(host, port, shared);
+  }
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const GiveUp& give_up) override {
+    std::this_thread::sleep_for(lookup_);  // the lookup's time, not a wait on another thread
+    return tcp_->connect(host, port, give_up);
+  }
+
+ private:
+  std::chrono::milliseconds lookup_;
+  std::unique_ptr<KvTransport> tcp_;
+};
+
+// The handshake timeout bounds the prefill engine's answers, not this host's name lookup: a
+// healthy prefill engine reached after a lookup longer than the timeout answers the pull (here a
+// refusal: it holds no such transfer), and nothing blames it. A name that does not resolve is
+// no prefill engine's fault either.
+class APrefillBehindASlowLookup : public ::testing::Test {
+ protected:
+  KvFetchResult pull_from(std::unique_ptr<KvTransport> transport, const std::string& host,
+                          uint16_t port) {
+    KvTransferConfig d;
+    d.engine_id = "decode-0";
+    d.port = -1;
+    d.timeout_s = kTransferTimeoutS;
+    d.handshake_timeout_s = kHandshakeTimeoutS;
+    d.transport = KvTransportKind::kTcp;
+    KvTransferAgent decode(d, executor_, std::move(transport), registry_,
+                           [](KvTransfers::Task t) { t(); });
+    KvFetch f;
+    f.request_id = "req-1";
+    f.host = host;
+    f.port = port;
+    f.engine_id = "prefill-0";
+    f.transfer_id = "prefill-0-00000000000000000000000000000000";
+    f.remote_blocks = {5, 2, 9};
+    f.prompt_hash = 1234;
+    f.prompt_tokens = 11;
+    f.num_tokens = 10;
+    f.local_blocks = {1, 7, 3};
+    std::promise<KvFetchResult> outcome;
+    auto future = outcome.get_future();
+    decode.fetch(std::move(f), [&outcome](const KvFetchResult& r) { outcome.set_value(r); });
+    return get_within(future, kOutcomeGuard, "the fetch behind a slow lookup never ended");
+  }
+
+  NoKvExecutor executor_;
+  metrics::Registry registry_, prefill_registry_;
+};
+
+TEST_F(APrefillBehindASlowLookup, AnswersThePullAndIsNotBlamed) {
+  KvTransferConfig p;
+  p.engine_id = "prefill-0";
+  p.listen_host = "127.0.0.1";
+  p.port = 0;
+  p.advertise_host = "127.0.0.1";
+  p.timeout_s = kTransferTimeoutS;
+  p.transport = KvTransportKind::kTcp;
+  KvTransferAgent prefill(p, executor_, make_tcp_transport(), prefill_registry_,
+                          [](KvTransfers::Task t) { t(); });
+  ASSERT_TRUE(prefill.serving());
+  TcpTransportOptions io;
+  io.io_timeout = std::chrono::milliseconds(int64_t(kTransferTimeoutS * 1000));
+  const auto lookup = std::chrono::milliseconds(int64_t(3 * kHandshakeTimeoutS * 1000));
+  const KvFetchResult r =
+      pull_from(std::make_unique<SlowLookupTransport>(lookup, io), "127.0.0.1", prefill.port());
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.transfer_gone) << r.error;  // the prefill engine's own answer
+  EXPECT_FALSE(r.prefill_fault) << r.error;
+  EXPECT_THAT(r.error, ::testing::Not(HasSubstr("did not answer")));
+}
+
+TEST_F(APrefillBehindASlowLookup, ANameThatDoesNotResolveIsNotThePrefillsFault) {
+  TcpTransportOptions io;
+  io.io_timeout = std::chrono::milliseconds(int64_t(kTransferTimeoutS * 1000));
+  const KvFetchResult r = pull_from(make_tcp_transport(io), "no-such-prefill.invalid", 9);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("cannot resolve"));
+  EXPECT_FALSE(r.prefill_fault) << r.error;
+}
 
 }  // namespace
 }  // namespace tandem::engine

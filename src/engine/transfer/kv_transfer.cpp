@@ -1352,7 +1352,15 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     // sockets open and the kernel completes the connection), and a wait for the transfer timeout
     // would hold the request that long though the gateway ejected that engine long before. What
     // waits for the prefill's compute (a room's prompt and layers) keeps the transfer timeout.
-    const auto handshake_deadline = Clock::now() + milliseconds_of(config_.handshake_timeout_s);
+    // The clock starts once the transport asks whether to give up (after it resolved the host
+    // and began to connect), else once it connected: a slow name lookup on this host (with
+    // --advertise-host a DNS name) is not the prefill engine's silence.
+    std::optional<Clock::time_point> started_handshake;
+    const auto handshake_deadline = [&] {
+      if (!started_handshake)
+        started_handshake = Clock::now() + milliseconds_of(config_.handshake_timeout_s);
+      return *started_handshake;
+    };
     const auto unanswered = [&](const std::exception& e) {
       return Error("the prefill engine did not answer within the handshake timeout of " +
                    seconds_text(config_.handshake_timeout_s) + " s (" + e.what() + ")");
@@ -1367,14 +1375,14 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       } catch (const KvTransferError&) {
         throw;
       } catch (const std::exception& e) {
-        if (Clock::now() >= handshake_deadline) throw unanswered(e);
+        if (Clock::now() >= handshake_deadline()) throw unanswered(e);
         throw;
       }
     };
     std::shared_ptr<KvConnection> conn;
     try {
-      conn = transport_->connect(f.host, f.port, [this, slot, handshake_deadline] {
-        if (Clock::now() >= handshake_deadline) return true;
+      conn = transport_->connect(f.host, f.port, [this, slot, &handshake_deadline] {
+        if (Clock::now() >= handshake_deadline()) return true;
         std::lock_guard lock(mutex_);
         return slot->cancelled || stopping_;
       });
@@ -1383,7 +1391,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       std::lock_guard lock(mutex_);
       if (slot->cancelled || stopping_)
         throw NotThePrefillsFault(std::string("cancelled (") + e.what() + ")");
-      if (Clock::now() >= handshake_deadline) throw unanswered(e);
+      // A name this host could not look up: its name service's failure, not the prefill's.
+      if (dynamic_cast<const KvHostUnresolved*>(&e)) throw NotThePrefillsFault(e.what());
+      if (started_handshake && Clock::now() >= *started_handshake) throw unanswered(e);
       throw;
     }
     metrics_->fetch_connections.labels({conn->kind()}).inc();
@@ -1392,7 +1402,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       slot->conn = conn;
       if (slot->cancelled || stopping_) conn->shutdown();
     }
-    conn->set_deadline(handshake_deadline);
+    conn->set_deadline(handshake_deadline());
     std::string session;
     within_handshake([&] {
       if (!config_.secret.empty()) session = authenticate_to_prefill(*conn, config_.secret, where);
