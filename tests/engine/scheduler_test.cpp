@@ -594,6 +594,10 @@ TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
   f.step();  // a's 3 full blocks are cached; it finishes
   ASSERT_EQ(a->num_generated(), 1);
   ASSERT_EQ(f.kv.num_cached_blocks(), 3);
+  std::vector<int32_t> cached_by_a;
+  for (int32_t id = 0; id < 64; ++id)
+    if (f.kv.cached_hash(id)) cached_by_a.push_back(id);
+  ASSERT_EQ(cached_by_a.size(), 3u);
   auto prompt = shared;
   prompt.push_back(99);
   Sequence* b = f.add(prompt, 2);
@@ -609,7 +613,11 @@ TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
   EXPECT_FALSE(f.kv.cached_hash(table[2]).has_value());  // private: recomputed here
   EXPECT_EQ(f.kv.prefix_cache_stats().hits, 8);
   f.sched.update_from_output(out, std::vector{tokens({7})}, 0);
-  EXPECT_TRUE(f.kv.cached_hash(table[2]).has_value());  // a's copy is free and uncached
+  // b's recomputed block took a's cache entry over: a's copy of it is free and uncached.
+  EXPECT_TRUE(f.kv.cached_hash(table[2]).has_value());
+  for (int32_t id : cached_by_a)
+    if (std::find(table.begin(), table.end(), id) == table.end())
+      EXPECT_FALSE(f.kv.cached_hash(id).has_value()) << "block " << id;
   EXPECT_EQ(f.kv.num_cached_blocks(), 3);
   EXPECT_EQ(f.kv.num_free_blocks(), 60);
   f.kv.check_invariants();

@@ -210,8 +210,9 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
   }
   // The hit must still describe the cache: nothing may have evicted or reset in between. Its
   // blocks still chain, each after the entry before it, and its last block is the entry the
-  // lookup found, so every one is (entries are never reused): a block evicted and cached again
-  // for other tokens whose hash collides has a new entry.
+  // lookup found, so every one is (an entry always names the same tokens after the same parent,
+  // whichever block holds it): a block evicted and cached again for other tokens whose hash
+  // collides has a new entry.
   const auto stale = [&] {
     return Error("allocate: the prefix hit for request '" + request_id +
                  "' is stale (the cache changed after find_cached_prefix)");

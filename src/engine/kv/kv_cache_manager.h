@@ -64,9 +64,10 @@ struct PrefixHit {
   std::vector<int32_t> blocks;   // cached blocks holding the prefix, in order
   std::vector<uint64_t> hashes;  // their block hashes
   int64_t num_tokens = 0;        // tokens they hold: blocks.size() * block_size
-  // The cache entry of its last block (0 when none): entry numbers are never reused, so
-  // allocate() tells a stale hit from one whose blocks were evicted and cached again for other
-  // tokens with the same hashes.
+  // The cache entry of its last block (0 when none). An entry number always names the same tokens
+  // after the same parent entry (it may move to another block holding them: a recomputed block
+  // takes it over), and a block evicted and cached again gets a new one, so allocate() tells a
+  // stale hit from one whose blocks were cached again for other tokens with the same hashes.
   uint64_t last_block_entry = 0;
   // Length of the sequence looked up, for the hit-rate statistics; 0: allocate() does not count
   // the lookup (the scheduler's re-admission of a preempted sequence, as vLLM keeps those out).
@@ -97,9 +98,12 @@ struct KvCacheOptions {
   // The executor drafts with an MTP module: a prefix hit leaves its last block to be recomputed.
   // The MTP layer's cache entry at a position depends on the token after it, and the one at the
   // hit's last position was computed with the next token of whichever request cached the block
-  // (no block hash covers that token); recomputed in a private block, it is this request's own
-  // (vLLM does the same for EAGLE). Every lookup follows it: admission, a decode leg's (whose
-  // prefill engine then sends that block), and the load the engine reports.
+  // (no block hash covers that token); recomputed in this request's own block, it is this
+  // request's (vLLM does the same for EAGLE). That block then takes the cache entry over when no
+  // other request holds the cached copy, so a later hit may read, at a middle block's last
+  // position, the MTP entry of another continuation: fewer drafts accepted, never wrong output
+  // (verification decides). Every lookup follows it: admission, a decode leg's (whose prefill
+  // engine then sends that block), and the load the engine reports.
   bool recompute_last_hit_block = false;
   // The block hash: api::block_hash, which KV events carry and the gateway computes too. Only
   // tests put another here, to forge collisions.
