@@ -135,12 +135,32 @@ void TensorBinder::pack(Matrix& m, PlainRows plain) {
   }
 }
 
-Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t cols,
-                                 PlainRows plain) {
+Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t cols) {
+  const TensorInfo& t = take_quantizable(name, rows, cols);
+  Matrix m = quantized_int8(name, t.dtype, t.data, rows, cols);
+  release_pages(t.data, t.nbytes);
+  return m;
+}
+
+Matrix TensorBinder::int8_matrix_of_embedding(const std::string& name, const Matrix& embedding) {
+  take_quantizable(name, embedding.rows, embedding.cols);  // the file's dtype decides, as above
+  // matrix() leaves a quantizable tensor as F32 rows (F32 as it is, F16 widened exactly) or BF16.
+  const DType rows = embedding.type == kernels::WeightType::kF32 ? DType::kF32 : DType::kBF16;
+  return quantized_int8(name, rows, static_cast<const std::byte*>(embedding.data), embedding.rows,
+                        embedding.cols);
+}
+
+const TensorInfo& TensorBinder::take_quantizable(const std::string& name, int64_t rows,
+                                                 int64_t cols) {
   const TensorInfo& t = take(name + ".weight", {rows, cols});
   if (t.dtype != DType::kBF16 && t.dtype != DType::kF32 && t.dtype != DType::kF16)
     throw Error(name + ".weight: INT8 quantization at load needs BF16, F16 or F32 weights, not " +
                 std::string(dtype_name(t.dtype)));
+  return t;
+}
+
+Matrix TensorBinder::quantized_int8(const std::string& name, DType dtype, const std::byte* data,
+                                    int64_t rows, int64_t cols) {
   ModelConfig rule;  // only its quantization matters
   rule.int8 = Int8Quantization{};
   Matrix m;
@@ -151,21 +171,19 @@ Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t 
   m.row_scales.resize(static_cast<size_t>(rows));
   constexpr int64_t kChunkRows = 1024;
   std::vector<float> wide, scales;
-  const size_t element = dtype_size(t.dtype);
+  const size_t element = dtype_size(dtype);
   for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
     const int64_t n = std::min(kChunkRows, rows - r0);
     wide.resize(static_cast<size_t>(n * cols));
-    to_f32(t.dtype, t.data + static_cast<size_t>(r0 * cols) * element, wide.data(), n * cols);
+    to_f32(dtype, data + static_cast<size_t>(r0 * cols) * element, wide.data(), n * cols);
     quantize_weight(rule, wide, n, cols, reinterpret_cast<std::byte*>(m.storage.data()) + r0 * cols,
                     scales, name + ".weight", r0);
     std::copy(scales.begin(), scales.end(), m.row_scales.begin() + r0);
   }
   m.data = m.storage.data();
   kernels::set_int8_row_sums(m);
-  // The INT8 rows stay beside the packed copy (products oneDNN has no kernel for read them);
-  // the source rows in the mapping are not read again, unless they are a tied embedding's.
+  // The INT8 rows stay beside the packed copy (products oneDNN has no kernel for read them).
   kernels::pack_for_gemm(m, &arena_);
-  if (plain == PlainRows::kRelease) release_pages(t.data, t.nbytes);
   return m;
 }
 

@@ -3,9 +3,10 @@
 // vectors widened to float32; matrices used in place when they are F32, BF16 or INT8 (W8A8, with
 // their row scales; F32 and BF16 copied first where the file misaligns them), F16 widened, FP8
 // dequantised to BF16, the mapped pages of a copied or converted matrix given back (nothing reads
-// them again); matrices packed for the GEMM kernels with the plain rows given back when nothing
-// reads them again (mapped pages dropped, converted rows freed: one copy of every packed matrix
-// stays). Shapes are checked as each tensor is taken; `progress` counts them.
+// them again: a tied INT8 head is quantized from the embedding's converted rows); matrices packed
+// for the GEMM kernels with the plain rows given back when nothing reads them again (mapped pages
+// dropped, converted rows freed: one copy of every packed matrix stays). Shapes are checked as each
+// tensor is taken; `progress` counts them.
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -66,9 +67,14 @@ class TensorBinder {
   kernels::Matrix packed_matrix(const std::string& name, int64_t rows, int64_t cols,
                                 PlainRows plain = PlainRows::kRelease);
   // NAME.weight quantized to INT8 with one scale per row (model/quantize.h's W8A8 rule), in
-  // chunks of rows so no float32 copy of a whole matrix is ever made. BF16, F16 or F32 only.
-  kernels::Matrix int8_matrix(const std::string& name, int64_t rows, int64_t cols,
-                              PlainRows plain = PlainRows::kRelease);
+  // chunks of rows so no float32 copy of a whole matrix is ever made. BF16, F16 or F32 only. Its
+  // mapped pages are given back: nothing reads them again.
+  kernels::Matrix int8_matrix(const std::string& name, int64_t rows, int64_t cols);
+  // The same of a tied embedding NAME.weight, quantized from `embedding` (what matrix() made of
+  // it: its rows in the mapping, a copy of them, or F16 widened exactly to F32), so no page of
+  // the file is read twice; those the embedding looks its rows up in stay.
+  kernels::Matrix int8_matrix_of_embedding(const std::string& name,
+                                           const kernels::Matrix& embedding);
   // PREFIX.{gate,up,down}_proj, packed.
   MlpWeights mlp(const std::string& prefix, int64_t hidden, int64_t inter);
   // A router [experts, hidden] in float32 (its top-k must not flip on rounding; float32 weights
@@ -87,6 +93,11 @@ class TensorBinder {
  private:
   const TensorInfo& take(const std::string& name, const std::vector<int64_t>& shape);
   void pack(kernels::Matrix& m, PlainRows plain);
+  // NAME.weight, checked to be a dtype int8_matrix quantizes.
+  const TensorInfo& take_quantizable(const std::string& name, int64_t rows, int64_t cols);
+  // `rows` x `cols` of `dtype` (BF16, F16 or F32) at `data`, quantized and packed.
+  kernels::Matrix quantized_int8(const std::string& name, DType dtype, const std::byte* data,
+                                 int64_t rows, int64_t cols);
   void dequantize_fp8(const std::string& name, const TensorInfo& t, kernels::Matrix& m);
 
   const Checkpoint& checkpoint_;

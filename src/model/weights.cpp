@@ -127,13 +127,8 @@ Weights Weights::load(Checkpoint checkpoint, const ModelConfig& config,
   // The LM head is packed like the layers' matrices (it is a quarter of what a decode token
   // reads), unless it is the embedding, whose rows the lookup reads.
   if (options.int8_lm_head) {
-    // A tied embedding read in place looks its rows up in the mapping, so quantizing the head
-    // from them keeps their pages; one the binder copied (misaligned) or widened (F16) reads its
-    // own storage, so the pages the quantization read are given back.
-    const auto plain =
-        w.embed.storage.empty() ? Binder::PlainRows::kKeep : Binder::PlainRows::kRelease;
     w.lm_head = config.tie_word_embeddings
-                    ? b.int8_matrix("model.embed_tokens", config.vocab_size, h, plain)
+                    ? b.int8_matrix_of_embedding("model.embed_tokens", w.embed)
                     : b.int8_matrix("lm_head", config.vocab_size, h);
   } else if (config.tie_word_embeddings) {
     w.lm_head = tied_head(w.embed);

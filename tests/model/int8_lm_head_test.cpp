@@ -26,7 +26,7 @@ ModelConfig config() {
   return test::small_vocab_tiny_v3();
 }
 
-// The checkpoint's BF16 tensor `name` [rows, cols] as float32.
+// The checkpoint's tensor `name` [rows, cols] as float32.
 std::vector<float> tensor(const Checkpoint& ckpt, const std::string& name, int64_t rows,
                           int64_t cols) {
   const TensorInfo& t =
@@ -129,6 +129,34 @@ TEST(Int8LmHead, ATiedEmbeddingsMappedRowsAreKeptOnlyWhereItReadsThem) {
   ASSERT_TRUE(in_place.embed.storage.empty());
   ASSERT_EQ(in_place.embed.data, bf16.data);  // looked up in the mapping
   EXPECT_EQ(present_pages(bf16.data, bf16.nbytes), whole_pages(bf16.data, bf16.nbytes).count);
+}
+
+// A tied INT8 head is quantized from the embedding as the binder holds it (F16 widened to F32,
+// BF16 and F32 as they are), not from the file a second time: the same INT8 rows and scales as
+// the W8A8 rule applied to the file's tensor, bit for bit, whatever the file's dtype.
+TEST(Int8LmHead, ATiedHeadIsTheW8A8QuantizationOfTheFilesEmbedding) {
+  ModelConfig c = config();
+  c.tie_word_embeddings = true;
+  WeightLoadOptions options;
+  options.int8_lm_head = true;
+  ModelConfig rule = c;
+  rule.int8 = Int8Quantization{};
+  for (const DType dtype : {DType::kF16, DType::kBF16, DType::kF32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const test::TempDir dir("int8-lm-head-tied-quantized");
+    test::write_random_checkpoint(dir.path(), c, dtype);
+    const Weights w = Weights::load(Checkpoint::open(dir.path()), c, {}, options);
+    const std::vector<float> file =
+        tensor(w.checkpoint, "model.embed_tokens.weight", c.vocab_size, c.hidden_size);
+    std::vector<std::byte> want(file.size());
+    std::vector<float> want_scales;
+    quantize_weight(rule, file, c.vocab_size, c.hidden_size, want.data(), want_scales);
+    ASSERT_EQ(w.lm_head.type, kernels::WeightType::kI8);
+    ASSERT_EQ(w.lm_head.storage.size(), want.size());
+    EXPECT_TRUE(std::equal(want.begin(), want.end(),
+                           reinterpret_cast<const std::byte*>(w.lm_head.storage.data())));
+    EXPECT_EQ(w.lm_head.row_scales, want_scales);
+  }
 }
 
 }  // namespace
