@@ -334,7 +334,8 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (e->healthy) return false;
   e->healthy = true;
   e->readmitted = now;
-  forget_cached_prefixes(*e, "was readmitted");
+  if (readmission_is_the_only_restart_signal(*e))
+    forget_cached_prefixes(*e, "was readmitted (it may have restarted)");
   // What answers there now may be another server: an auto engine is asked again, and so is
   // every engine's longest sequence.
   if (e->dialect == Dialect::kAuto) {
@@ -399,6 +400,20 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
   e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
                    topo_.scheduling.tandem.prior);
   e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
+  return true;
+}
+
+bool EndpointTable::readmission_is_the_only_restart_signal(const EndpointState& e) const {
+  // Most ejections are no restart (three failed legs of one failed step, probes timed out during
+  // a pause): clearing on each dropped a cache the engine still held, and its consumer's replay
+  // from seq 0 reaches back only buffer_steps batches, so its oldest, hottest prefixes never came
+  // back. The simulator's engines never restart.
+  if (external_events_.count(e.id)) return false;
+  // Its load reports tell (their steps go back); they are polled while it is ejected too.
+  if (e.load_source == LoadSource::kReports) return false;
+  // An `auto` engine asked again since an earlier readmission: its next report is compared with
+  // its last one.
+  if (e.load_source == LoadSource::kAsking && e.load.known) return false;
   return true;
 }
 

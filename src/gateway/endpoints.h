@@ -187,11 +187,14 @@ class EndpointTable {
   // Its in-flight limit at `now`: the slow-start ramp after a readmission.
   int64_t in_flight_limit(const EndpointState& e, Clock::time_point now) const;
   bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }
+  // A readmitted engine may be a new process, but only an engine with no load reports (vLLM,
+  // SGLang) has no better sign of it; an engine whose events are fed externally never restarts.
+  bool readmission_is_the_only_restart_signal(const EndpointState& e) const;
   // What answers at the engine's address may be a new process (its load report showed a restart,
-  // or it was readmitted after an ejection): its prefix cache is gone, so its entries leave the
-  // prefix index, and its KV-event consumer is recreated to follow the new process's stream from
-  // seq 0 (one whose first seqs are not lower than the old stream's last cannot tell). `why`
-  // completes the log line "engine <name> ...".
+  // or, for an engine without reports, it was readmitted after an ejection): its prefix cache is
+  // gone, so its entries leave the prefix index, and its KV-event consumer is recreated to follow
+  // the new process's stream from seq 0 (one whose first seqs are not lower than the old stream's
+  // last cannot tell). `why` completes the log line "engine <name> ...".
   void forget_cached_prefixes(EndpointState& e, const char* why);
 
   // A pool's settings that apply to its engines as they join.

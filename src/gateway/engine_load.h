@@ -40,8 +40,9 @@ struct EngineLoadState {
 // Whether `report` comes from another process than the reports before it: one process's step
 // count and step indices only grow, so either going back means the engine restarted, with an
 // empty prefix cache and a new step history. (A restart whose new process has already run more
-// steps than the old one had cannot be told this way; a readmission after an ejection is taken
-// as one too, endpoints.h.)
+// steps than the old one had cannot be told this way, but an engine ejected while it restarted
+// gets no work until it is readmitted, so its first reports show it. Only an engine without
+// reports is taken as restarted on readmission, endpoints.h.)
 bool reports_a_restart(const EngineLoadState& state, const LoadReport& report);
 
 // The state after a report: its steps newer than `last_step` become batch-time observations (a

@@ -2,33 +2,48 @@
 // or it routes prompts to a cache that no longer exists (a user's trial: a prefill engine killed
 // and restarted by `tandem serve` within seconds was never ejected, and the next request went to
 // it for 4000 "cached" tokens of which it delivered none). The gateway learns of a restart from
-// the engine's load reports (its step count or step indices went back) and from a readmission
-// after an ejection. Pure: the test plays the reports and probe results, and feeds the index as
-// the engines' KV events would (api/block_hash.h's hashes, 16-token blocks).
+// the engine's load reports (its step count or step indices went back), and for an engine
+// without reports (vLLM, SGLang) from a readmission after an ejection; most ejections are no
+// restart, and an engine that reports keeps its entries through them. The tests play the reports,
+// leg and probe results, and feed the index as the engines' KV events would (api/block_hash.h's
+// hashes, 16-token blocks); the last one follows a scripted publisher's stream on loopback.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "api/block_hash.h"
 #include "api/load_report.h"
+#include "engine/kv/kv_events.h"
 #include "gateway/endpoints.h"
 #include "gateway/engine_load.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/prefix_index.h"
+#include "gateway/request.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
 namespace {
 
-Endpoint engine_named(const std::string& name, const std::string& kv_events = {}) {
+Endpoint engine_named(const std::string& name, const std::string& kv_events = {},
+                      const std::string& kv_events_replay = {}) {
   Endpoint e;
   e.name = name;
   e.host = name + ".engines";
   e.port = 8000;
   e.kv_events = kv_events;
+  e.kv_events_replay = kv_events_replay;
   return e;
 }
 
@@ -57,13 +72,14 @@ LoadAnswer answer_of(LoadReport report) {
   return a;
 }
 
-// Two prefill engines and a decode engine (sequential P/D), whose KV events the test feeds.
+// Two prefill engines and a decode engine (sequential P/D), whose KV events the test feeds
+// (prefill-a's come from its consumer when `kv_events` is given).
 class Gateway {
  public:
-  explicit Gateway(const std::string& kv_events = {})
+  explicit Gateway(const std::string& kv_events = {}, const std::string& kv_events_replay = {})
       : metrics(registry), table(topo, metrics, index) {
     topo.mode = PdMode::kSequential;
-    a = table.add(true, engine_named("prefill-a", kv_events));
+    a = table.add(true, engine_named("prefill-a", kv_events, kv_events_replay));
     b = table.add(true, engine_named("prefill-b"));
     table.add(false, engine_named("decode-0"));
     if (kv_events.empty()) table.events_fed_externally(a);
@@ -86,6 +102,21 @@ class Gateway {
 
   bool report(int id, LoadReport r) {
     return table.load_result(id, {}, answer_of(std::move(r)), now);
+  }
+
+  // Ejected by failed legs (e.g. the three legs of one failed step), then readmitted by a passing
+  // probe; returns whether it was readmitted.
+  bool eject_by_failed_legs_and_readmit(int id) {
+    for (int i = 0; i < topo.health.failures_to_eject; ++i) {
+      Leg leg;
+      leg.endpoint = id;
+      leg.prefill = true;
+      leg.started = now;
+      table.leg_started(*table.find(id), leg);
+      table.leg_finished(leg, LegOutcome::kFailed);
+    }
+    if (table.find(id)->healthy) return false;
+    return table.probe_result(id, true, now);
   }
 
   Topology topo;
@@ -141,37 +172,191 @@ TEST(EngineRestartIndex, ReportsOfTheSameProcessKeepTheEnginesCachedPrefixes) {
   EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
 }
 
-TEST(EngineRestartIndex, AnEngineEjectedAndReadmittedHasNoCachedPrefixes) {
+// Most ejections are no restart (one failed step's legs, probes timed out in a pause): an engine
+// whose load reports would show a restart keeps its cached prefixes when it is readmitted.
+TEST(EngineRestartIndex, AReportingEngineReadmittedAfterFailedLegsKeepsItsCachedPrefixes) {
+  Gateway g("tcp://127.0.0.1:1");  // its entries are its consumer's, rebuilt if it were reset
+  const auto ids = prompt(640);
+  g.report(g.a, report_after(120));
+  g.caches(g.a, ids);
+  ASSERT_TRUE(g.eject_by_failed_legs_and_readmit(g.a));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
+  EXPECT_EQ(g.index.num_blocks(g.a), 40);
+  // Its next report of the same process keeps them; one whose steps went back drops them.
+  g.report(g.a, report_after(121));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
+  g.report(g.a, report_after(0));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
+}
+
+// The simulator's engines never restart (a killed one never comes back), and nothing would
+// announce their cache again: a readmission keeps it.
+TEST(EngineRestartIndex, AnEngineFedExternallyKeepsItsCachedPrefixesWhenReadmitted) {
   Gateway g;
   const auto ids = prompt(640);
   g.caches(g.a, ids);
   g.caches(g.b, ids);
   for (int i = 0; i < g.topo.health.failures_to_eject; ++i) g.table.probe_result(g.a, false, g.now);
   ASSERT_FALSE(g.table.find(g.a)->healthy);
-  // A passing probe of an engine never ejected says nothing of a restart.
-  g.table.probe_result(g.b, true, g.now);
+  EXPECT_TRUE(g.table.probe_result(g.a, true, g.now));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
   EXPECT_EQ(g.cached_tokens(g.b, ids), 640);
+}
 
-  EXPECT_TRUE(g.table.probe_result(g.a, true, g.now));  // readmitted: may be a new process
+// An engine without load reports (vLLM, SGLang) has no other sign of a restart: its readmission
+// after an ejection is taken as one; a passing probe of an engine never ejected is not.
+TEST(EngineRestartIndex, AnEngineWithoutLoadReportsReadmittedHasNoCachedPrefixes) {
+  Gateway g("tcp://127.0.0.1:1");
+  LoadAnswer no_report;
+  no_report.kind = LoadAnswer::Kind::kNoReport;
+  no_report.why = "404";
+  g.table.load_result(g.a, {}, no_report, g.now);
+  ASSERT_EQ(g.table.find(g.a)->load_source, LoadSource::kOwnCounts);
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  g.table.probe_result(g.a, true, g.now);
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
+
+  ASSERT_TRUE(g.eject_by_failed_legs_and_readmit(g.a));
   EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
-  EXPECT_EQ(g.cached_tokens(g.b, ids), 640);
+  EXPECT_EQ(g.index.num_blocks(g.a), 0);
   // What the new process stores from now on is routed to again.
   g.caches(g.a, ids);
   EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
 }
 
-// With a KV-event consumer (nothing publishes at its address, and it has no replay endpoint, so
-// it writes nothing to the index itself): the restart clears what it had applied, and a new
-// consumer follows the new process from its seq 0.
-TEST(EngineRestartIndex, AnEngineWithAConsumerIsClearedOnARestartToo) {
-  Gateway g("tcp://127.0.0.1:1");
-  const auto ids = prompt(640);
-  g.caches(g.a, ids);
+// An engine's KV-event stream as the engine publishes it (live, and from its replay buffer), whose
+// seqs the test chooses: a restarted process at the same address counts from 0 again.
+class ScriptedPublisher {
+ public:
+  ScriptedPublisher() {
+    pub_.set(zmq::sockopt::linger, 0);
+    pub_.bind("tcp://127.0.0.1:*");
+    endpoint_ = pub_.get(zmq::sockopt::last_endpoint);
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    replay_endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~ScriptedPublisher() {
+    stop_ = true;
+    thread_.join();
+  }
+
+  // Kept in the replay buffer; sent live too unless `live` is false (published before the
+  // consumer's subscription could see it).
+  void publish(uint64_t seq, const std::string& payload, bool live = true) {
+    {
+      std::lock_guard lock(mutex_);
+      history_.emplace_back(seq, payload);
+    }
+    if (!live) return;
+    pub_.send(zmq::buffer(std::string("kv@test")), zmq::send_flags::sndmore);
+    pub_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
+    pub_.send(zmq::buffer(payload), zmq::send_flags::none);
+  }
+  // The process restarted: its replay buffer starts empty.
+  void restart() {
+    std::lock_guard lock(mutex_);
+    history_.clear();
+  }
+  const std::string& endpoint() const { return endpoint_; }
+  const std::string& replay_endpoint() const { return replay_endpoint_; }
+
+ private:
+  static std::string be64(uint64_t v) {
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(v >> (56 - 8 * i));
+    return out;
+  }
+
+  // Answers replay requests [identity, "", start seq] with every kept batch from the start seq,
+  // then the end marker, as the engine does.
+  void serve() {
+    zmq_pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+    while (!stop_) {
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(20)) == 0) continue;
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(router_, std::back_inserter(frames))) continue;
+      if (frames.size() != 3 || frames[2].size() != 8) continue;
+      const auto* p = static_cast<const unsigned char*>(frames[2].data());
+      uint64_t start = 0;
+      for (int i = 0; i < 8; ++i) start = (start << 8) | p[i];
+      std::vector<std::pair<uint64_t, std::string>> send;
+      {
+        std::lock_guard lock(mutex_);
+        for (const auto& [seq, payload] : history_)
+          if (seq >= start) send.emplace_back(seq, payload);
+      }
+      send.emplace_back(~uint64_t{0}, "");
+      for (const auto& [seq, payload] : send) {
+        router_.send(zmq::buffer(frames[0].to_string()), zmq::send_flags::sndmore);
+        router_.send(zmq::message_t(), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(payload), zmq::send_flags::none);
+      }
+    }
+  }
+
+  zmq::context_t context_{1};
+  zmq::socket_t pub_{context_, zmq::socket_type::pub};
+  zmq::socket_t router_{context_, zmq::socket_type::router};
+  std::string endpoint_, replay_endpoint_;
+  std::mutex mutex_;
+  std::vector<std::pair<uint64_t, std::string>> history_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+std::vector<int32_t> chain_tokens(int32_t base, int n) {
+  std::vector<int32_t> t;
+  for (int k = 0; k < n; ++k) {
+    t.push_back(base + 10 * k);
+    t.push_back(base + 10 * k + 1);
+  }
+  return t;
+}
+
+// The batch that stores block k of a chain of 2-token blocks [base + 10k, base + 10k + 1], hashed
+// as a Tandem engine hashes them.
+std::string chain_block(int32_t base, int k) {
+  const std::vector<uint64_t> hashes = api::block_hashes(chain_tokens(base, k + 1), 2);
+  engine::BlockStored s;
+  s.block_hashes = {hashes[k]};
+  if (k > 0) s.parent_block_hash = hashes[k - 1];
+  s.token_ids = {base + 10 * k, base + 10 * k + 1};
+  s.block_size = 2;
+  return engine::encode_kv_event_batch({1.0, {s}, {}});
+}
+
+// The consumer's thread writes the index: polled until `done` holds (about 10 s at most), so the
+// test fails rather than hangs.
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 400; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return false;
+}
+
+// What the consumer is rebuilt for: the new process publishes no event until its first request,
+// and its first seqs (0..6) are no lower than the old stream's last (5), so the old consumer
+// cannot see the restart in them; its batches 0..5 are past, only in its replay buffer. After the
+// report that shows the restart, the engine's entries are the new stream's, from seq 0.
+TEST(EngineRestartIndex, AfterARestartReportTheNewProcesssStreamIsFollowedFromSeqZero) {
+  ScriptedPublisher engine;
+  const int32_t old_base = 0, new_base = 1000;
+  for (int k = 0; k < 6; ++k) engine.publish(k, chain_block(old_base, k), /*live=*/false);
+  Gateway g(engine.endpoint(), engine.replay_endpoint());
   g.report(g.a, report_after(30));
-  ASSERT_EQ(g.cached_tokens(g.a, ids), 640);
+  ASSERT_TRUE(eventually([&] { return g.index.match_depth(g.a, chain_tokens(old_base, 6)) == 6; }));
+
+  engine.restart();
+  for (int k = 0; k < 6; ++k) engine.publish(k, chain_block(new_base, k), /*live=*/false);
+  engine.publish(6, chain_block(new_base, 6));
   g.report(g.a, report_after(1));
-  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
-  EXPECT_EQ(g.index.num_blocks(g.a), 0);
+  EXPECT_TRUE(eventually([&] { return g.index.match_depth(g.a, chain_tokens(new_base, 7)) == 7; }));
+  EXPECT_EQ(g.index.match_depth(g.a, chain_tokens(old_base, 6)), 0);
 }
 
 }  // namespace
