@@ -373,6 +373,9 @@ struct KvEventsConsumer::Impl {
       }
       if (ready == 0 || (items[1].revents & ZMQ_POLLIN)) return false;  // silence, or stop()
       for (;;) {
+        // A replay may bring buffer_steps (10,000) batches, and stop() waits for this thread on
+        // the gateway's scheduling thread (a restarted engine's consumer is rebuilt there).
+        if (should_stop()) return false;
         std::vector<zmq::message_t> frames;
         if (!zmq::recv_multipart(dealer, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
           break;
