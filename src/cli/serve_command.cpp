@@ -1,5 +1,6 @@
 #include "cli/serve_command.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,28 +76,50 @@ std::string replica_access_log(const std::string& access_log, int replica) {
   return access_log + "." + std::to_string(replica);
 }
 
+// Where open(O_CREAT) creates a file for `path` when nothing is there: the path itself, or, for a
+// dangling symlink, its target (a link's relative target is read from the link's folder). A
+// chain longer than the kernel follows is left as it is, for the open to refuse.
+std::filesystem::path file_created_for(std::filesystem::path path) {
+  namespace fs = std::filesystem;
+  constexpr int kMaxLinks = 40;  // Linux's MAXSYMLINKS
+  std::error_code ec;
+  for (int i = 0; i < kMaxLinks && fs::is_symlink(fs::symlink_status(path, ec)); ++i) {
+    const fs::path target = fs::read_symlink(path, ec);
+    if (ec) break;
+    path = target.is_absolute() ? target : path.parent_path() / target;
+  }
+  return path;
+}
+
 // Whether the gateway will be able to open `path` for appending (creating it if missing), told
 // before anything starts and without writing anything: a typo in the folder must not cost a
-// model load. What only the open can tell (a FIFO without a reader) is left to the gateway.
+// model load. Asked with the effective ids, as the open is. What only the open can tell (a FIFO
+// without a reader) is left to the gateway.
 void check_access_log(const std::string& path) {
   namespace fs = std::filesystem;
   if (path.empty() || path == "-") return;
   const std::string said = "--access-log " + path + ": ";
+  const auto can = [](const fs::path& p, int mode) {
+    return ::faccessat(AT_FDCWD, p.c_str(), mode, AT_EACCESS) == 0;
+  };
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
   if (fs::is_directory(status)) throw Error(said + "is a directory, not a file");
   if (fs::exists(status)) {
-    if (::access(path.c_str(), W_OK) != 0)
-      throw Error(said + "cannot be written: " + std::strerror(errno));
+    if (!can(path, W_OK)) throw Error(said + "cannot be written: " + std::strerror(errno));
     return;
   }
   if (ec && status.type() != fs::file_type::not_found) throw Error(said + ec.message());
-  const fs::path parent = fs::path(path).parent_path();
+  const fs::path created = file_created_for(path);
+  const fs::path parent = created.parent_path();
   const fs::path folder = parent.empty() ? fs::path(".") : parent;
+  const std::string where =
+      created == fs::path(path) ? "" : " (the link's target " + created.string() + ")";
   if (!fs::is_directory(folder, ec))
-    throw Error(said + "its folder " + folder.string() + " does not exist");
-  if (::access(folder.c_str(), W_OK | X_OK) != 0)
-    throw Error(said + "cannot create a file in " + folder.string() + ": " + std::strerror(errno));
+    throw Error(said + "its folder " + folder.string() + " does not exist" + where);
+  if (!can(folder, W_OK | X_OK))
+    throw Error(said + "cannot create a file in " + folder.string() + where + ": " +
+                std::strerror(errno));
 }
 
 gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool bootstrap) {

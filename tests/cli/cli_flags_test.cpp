@@ -130,6 +130,49 @@ TEST(CliFlags, ServeBlamesItsOwnFlagsNotEngineArgForTheEnginesItBuilds) {
   EXPECT_THAT(r.output, HasSubstr("serve: --engine-arg: --speculative-tokens")) << r.output;
 }
 
+// The gateway opens --access-log with O_CREAT, which follows a dangling symlink and creates its
+// target: serve's check looked at the link's own folder instead of the target's. (An
+// --engine-arg typo after it tells whether the access log passed: nothing starts either way.)
+TEST(CliFlags, ServeChecksADanglingAccessLogSymlinkAtItsTarget) {
+  namespace fs = std::filesystem;
+  const fs::path root = test::scratch_path("serve-access-log-link", "");
+  const fs::path cache = root / "cache", writable = root / "writable", locked = root / "locked";
+  for (const fs::path& d : {cache, writable, locked}) fs::create_directories(d);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  const auto serve_with_log = [&](const fs::path& log) {
+    return run("serve --model tiny-v3 --port 0 --engine-arg=--no-such-flag --access-log " +
+                   test::quote(log),
+               env);
+  };
+  // Into a folder that does not exist: the gateway's open would fail, so the check does, naming
+  // the target's folder (the link's own folder exists and takes files).
+  fs::create_symlink(root / "missing" / "tandem.log", writable / "to-missing");
+  Result r = serve_with_log(writable / "to-missing");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--access-log")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr((root / "missing").string())) << r.output;
+  // Relative to the link's folder, through a second link.
+  fs::create_symlink("../missing/tandem.log", writable / "relative-to-missing");
+  fs::create_symlink("relative-to-missing", writable / "chain-to-missing");
+  r = serve_with_log(writable / "chain-to-missing");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--access-log")) << r.output;
+  // From a folder that takes no new file into one that does: the gateway creates the target, so
+  // the check passes (the engine flag is what fails). As root, 0555 stops no write, and this
+  // passes either way; the cases above are what tell a link's target from its folder then.
+  fs::create_symlink("../writable/tandem.log", locked / "to-writable");
+  fs::permissions(locked, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                              fs::perms::group_exec | fs::perms::others_read |
+                              fs::perms::others_exec);
+  r = serve_with_log(locked / "to-writable");
+  fs::permissions(locked, fs::perms::owner_all);  // so the scratch folder can be removed
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--no-such-flag")) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("--access-log"))) << r.output;
+  EXPECT_FALSE(fs::exists(writable / "tandem.log")) << "the check creates nothing";
+  EXPECT_FALSE(fs::exists(cache / "tandem")) << r.output;
+}
+
 // `serve` took none of the gateway's failure-handling flags, so the one-command stack waited 300 s
 // on a hung engine. It takes `tandem gateway`'s own definitions of them (the same help, checks and
 // bounds), and a bad value is refused naming the flag before anything is written or started.
