@@ -861,6 +861,24 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
     }
 }
 
+TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeoutAndIsRetried) {
+  // As live engines since the handshake timeout bounds a pull: decode-0 is stalled when the
+  // decode leg comes (it takes the leg when it wakes at 10 s) and prefill-0, which holds the KV,
+  // is stalled from 5 s to 35 s: the pull fails at the handshake timeout (5 s) as prefill-0's
+  // fault, and the gateway prefills the request again on prefill-1, long before prefill-0 wakes.
+  auto o = pd_options(gateway::PdMode::kSequential, 2, 1, hand_model());
+  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+      std::chrono::seconds(1000);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 9.99},
+              {Fault::Kind::kStall, "prefill-0", 5.0, 30.0}};
+  const auto run = simulate({request(0, words(20, 1), 4)}, o, tokenizer());
+  ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+  EXPECT_EQ(run.retries, 1);
+  EXPECT_EQ(run.kv_transfers, 1);
+  EXPECT_GE(run.results[0].ttft_s, 15.0);  // the pull began at 10 s and failed 5 s later
+  EXPECT_LT(run.results[0].ttft_s, 16.0);  // not prefill-0's wake (35 s)
+}
+
 // Two runs of one workload agree in everything they report.
 void expect_same_run(const SimulationRun& a, const SimulationRun& b) {
   ASSERT_EQ(a.results.size(), b.results.size());
