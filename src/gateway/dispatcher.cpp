@@ -221,6 +221,37 @@ void Dispatcher::dispatch() {
   if (!waiting_.empty()) dispatch(exec_.now());  // most calls under load: nobody waits
 }
 
+void Dispatcher::engines_changed() {
+  std::vector<int> ejected, newly;
+  for (const auto& [id, e] : endpoints_.all()) {
+    if (e.healthy) continue;
+    ejected.push_back(id);
+    if (e.in_flight > 0 && std::find(ejected_.begin(), ejected_.end(), id) == ejected_.end())
+      newly.push_back(id);
+  }
+  ejected_ = std::move(ejected);
+  if (!newly.empty()) {
+    // Copied: a cancel may report back at once, and what it posts must not meet a changing map.
+    std::vector<RequestPtr> requests;
+    requests.reserve(active_.size());
+    for (const auto& [key, r] : active_) requests.push_back(r);
+    for (const RequestPtr& r : requests) {
+      std::vector<Upstream::CallId> calls;
+      {
+        std::lock_guard lock(r->mutex);
+        for (const auto& l : r->legs)
+          if (l->running() && l->cancel_reason.empty() &&
+              std::find(newly.begin(), newly.end(), l->endpoint) != newly.end()) {
+            l->cancel_reason = "its engine was ejected: it failed its health probes";
+            calls.push_back(l->call);
+          }
+      }
+      cancel_calls(calls);
+    }
+  }
+  dispatch();
+}
+
 // Offers the waiting requests to the policy: first those whose prefill is done (they hold KV on
 // a prefill engine), then the others in the policy's queue order (prompt length and waiting
 // time, with a starvation bound: policies/queue_order.h). A request that must wait (its engines
@@ -640,11 +671,11 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
 // retried alike, and once retries are spent answered with its own status. An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
-// gateway's own. The decode leg of a sequential request is retried only where its KV is known to
-// be held still: one that never reached its engine goes to another decode engine with the same
-// kv_transfer_params; one whose engine could not take the KV from the prefill engine
-// (kPrefillEngine), or found it gone there (kNoEngineKvGone), starts again from the prefill; any
-// other may have taken the KV and is answered.
+// gateway's own. The decode leg of a sequential request that never reached its engine goes to
+// another decode engine with the same kv_transfer_params (its KV is known to be held still); any
+// other failure of it before the client got anything (its engine died or hung, could not take the
+// KV from the prefill engine (kPrefillEngine), or found it gone there (kNoEngineKvGone)) starts
+// the request again from the prefill, as parallel mode retries its pair.
 // What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message, Blame blame) {
@@ -663,8 +694,7 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
   }
   const bool client_error = status >= 400 && status < 500;
   const bool sequential_decode = topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode;
-  const bool retryable =
-      (!client_error || status == 429) && !(sequential_decode && blame == Blame::kItsEngine);
+  const bool retryable = !client_error || status == 429;
   if (retryable && r->attempt < topo_.prefill_retries) {
     const EndpointState* e = endpoints_.find(endpoint_id);
     r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
@@ -676,14 +706,16 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     if (blame != Blame::kNoEngineKvGone)
       r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
     // The same KV for another decode engine (waiting to decode again), or the request from its
-    // start (which sets no decode room aside until it is prefilled again).
+    // start (which sets no decode room aside until it is prefilled again): a decode leg that
+    // reached its engine may have taken the KV, which then is that engine's to hold or free.
     if (sequential_decode && blame == Blame::kItsEngineUnreached) {
       reserve_decode(*r, r->prefill_group);
     } else {
       r->stage = Stage::kFirst;
       release_decode(*r);
-      // The prompt is prefilled again: KV the failed decode leg left untaken (it could not pull
-      // it) is let go of now; one that took it has it.
+      // The prompt is prefilled again: KV the failed decode leg left untaken (it never connected,
+      // or could not pull it) is let go of now; one that took it has it (or its hold times out on
+      // the prefill engine): not released twice.
       release_unclaimed_kv(*r);
     }
     enqueue(r, true);

@@ -57,6 +57,12 @@ class Dispatcher {
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
+  // The engines' health changed (HealthMonitor's `changed`): the legs still running on an engine
+  // ejected since the last call are cut, as its failure, since an ejected engine (dead or hung)
+  // would hold them until their timeouts: one that sent the client nothing is retried elsewhere
+  // (attempt_failed), a stream is cut with its error event. A drained engine is not ejected: its
+  // legs finish. Then dispatch().
+  void engines_changed();
 
   // Admin operations. add_endpoint returns why it cannot join (empty: added, as endpoint_json's
   // `*id`).
@@ -112,8 +118,8 @@ class Dispatcher {
     kNoEngineKvGone,
   };
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
-  // retries remain (avoiding the engine `blame` names), else answered with the engine's error or
-  // a 502.
+  // retries remain (avoiding the engine `blame` names; a sequential decode leg that reached its
+  // engine starts again from the prefill), else answered with the engine's error or a 502.
   void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
                   std::string message, Blame blame = Blame::kItsEngine);
   // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes,
@@ -214,6 +220,7 @@ class Dispatcher {
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;
   std::map<int, int64_t> decode_reserved_;  // sequential mode: requests per group (reserve_decode)
+  std::vector<int> ejected_;                // engines unhealthy at the last engines_changed()
   int64_t kv_releases_ = 0;                 // release_held_kv calls under way
   std::deque<KvRelease> kv_releases_waiting_;  // their turn after those (release_held_kv)
   LogThrottle kv_release_log_{std::chrono::seconds(10)};

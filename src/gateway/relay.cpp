@@ -411,7 +411,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         "answer_too_large");
     return;
   }
-  if (whole_answer_timed_out) {  // as nginx answers a POST whose upstream timed out: 504
+  // A leg still connecting at the deadline never reached its engine: another engine need not take
+  // as long, so it is retried below like any leg that could not connect.
+  if (whole_answer_timed_out && !l.never_connected) {  // as nginx answers a timed-out POST: 504
     dispatcher_.answer_refused(
         r, attempt, 504,
         "engine " + where + " sent no whole answer within timeouts.first_token_ms (" +

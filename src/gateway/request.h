@@ -77,7 +77,8 @@ struct Leg {
   // not the engine's fault.
   bool answer_too_large = false;
   // A non-streaming answering leg cut at first_token_ms, which bounds its whole answer (under the
-  // request's mutex): not retried, since another engine would take as long.
+  // request's mutex): not retried, since another engine would take as long (unless it never
+  // connected: then retried, as one that could not connect).
   bool whole_answer_timed_out = false;
   // Its completion ended the request: the request's accounting runs in the same scheduler task
   // as the leg's, one post per request end instead of two.

@@ -252,7 +252,7 @@ class Cluster {
         metrics(registry),
         endpoints(topo, metrics, index),
         dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),
-        health(topo, clock, engines, endpoints, [this] { dispatcher.dispatch(); }),
+        health(topo, clock, engines, endpoints, [this] { dispatcher.engines_changed(); }),
         front_end(topo, clock, engines, dispatcher, endpoints, registry, tokenizer) {
     for (const auto& e : topo.prefill.endpoints) endpoints.add(true, e);
     for (const auto& e : topo.decode.endpoints) endpoints.add(false, e);
@@ -1198,7 +1198,11 @@ TEST(Dispatcher, TheQueueTimeoutsReasonNamesAPrefillGroupThatCannotDecode) {
   auto running = c.send();
   auto waiting = c.send();
   EXPECT_EQ(c.dispatcher.waiting(), 1u);
-  c.clock.advance_by(milliseconds(2000));
+  // The probes keep being answered: an engine ejected by an unanswered probe would have its legs
+  // cut (Dispatcher::engines_changed).
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"d1"});
+  c.clock.advance_by(milliseconds(1000));
   EXPECT_EQ(waiting->status, 503);
   EXPECT_NE(waiting->error_message.find("prefill pool: 2 engines, 1 at the in-flight limit, 1 "
                                         "whose group has no eligible decode engine"),
@@ -1743,16 +1747,71 @@ TEST(Dispatcher, ASequentialDecodeLegThatCannotConnectGoesToAnotherDecodeEngineW
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
-// A decode leg that reached its engine may have taken the KV (the hold is then gone): only one
-// that never connected is sent again with it. One that failed after connecting is answered.
-TEST(Dispatcher, ASequentialDecodeLegThatFailedAfterConnectingIsNotSentAgainWithTheSameKv) {
+// A decode leg that reached its engine may have taken the KV (the hold is then gone): one that
+// failed there before the client got anything (the engine died: its connection reset, a stream cut
+// before its first event; or it hung past first_token_ms) starts the request again from its
+// prefill, avoiding that decode engine, as parallel mode retries its pair. The prefill engine is
+// told nothing: the decode engine took the hold, or it times out there. Each was answered 502 with
+// the retries unused.
+TEST(Dispatcher, ASequentialDecodeLegThatFailedAfterConnectingStartsAgainFromItsPrefill) {
+  enum class Failure { kReset, kStreamCutBeforeItsFirstEvent, kFirstTokenTimeout };
+  for (const Failure failure :
+       {Failure::kReset, Failure::kStreamCutBeforeItsFirstEvent, Failure::kFirstTokenTimeout}) {
+    const int which = static_cast<int>(failure);
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")});
+    t.prefill.dialect = Dialect::kTandem;
+    t.timeouts.first_token = milliseconds(500);
+    Cluster c(t);
+    const bool stream = failure != Failure::kReset;
+    auto client = c.send(stream);
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << which;
+    ASSERT_EQ(host_of(*decode[0]), "d1") << which;
+    if (failure == Failure::kReset) {
+      FakeEngines::finish(*decode[0], "cannot read the response header: connection closed");
+    } else if (failure == Failure::kStreamCutBeforeItsFirstEvent) {
+      FakeEngines::head(*decode[0], 200, "text/event-stream");
+      FakeEngines::finish(*decode[0], "Connection reset by peer");
+    } else {
+      c.clock.advance_by(milliseconds(500));
+      EXPECT_TRUE(decode[0]->cancelled) << which;
+    }
+    c.clock.run_ready();
+    auto retry = c.engines.open("/v1/completions");
+    ASSERT_EQ(retry.size(), 1u) << which;
+    EXPECT_EQ(host_of(*retry[0]), "p") << which;
+    EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg " << which;
+    EXPECT_FALSE(client->complete()) << which;
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1) << which;
+    EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 1) << which;
+    prefill_answers(c);
+    decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << which;
+    EXPECT_EQ(host_of(*decode[0]), "d2") << which;
+    c.answer_all("decoded");
+    EXPECT_EQ(client->status, 200) << which;
+    EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << which;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << which;
+  }
+}
+
+// Once the client has part of a stream, a decode leg that fails is not retried: the stream is cut
+// with an error event, as before.
+TEST(Dispatcher, ASequentialDecodeStreamThatFailsAfterItsFirstEventIsCutNotRetried) {
   Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
-  auto client = c.send();
+  auto client = c.send(true);
   prefill_answers(c);
-  FakeEngines::finish(*c.engines.open("/v1/completions").at(0), "connection reset by peer");
+  auto decode = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*decode, 200, "text/event-stream");
+  const std::string first = net::sse_event(R"({"choices":[{"index":0,"text":"x"}]})");
+  FakeEngines::piece(*decode, first);
+  FakeEngines::finish(*decode, "Connection reset by peer");
   c.clock.run_ready();
-  EXPECT_EQ(client->status, 502);
+  json error;
+  expect_error_event_then_done_after(*client, first, error);
   EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
@@ -2010,7 +2069,8 @@ TEST(Dispatcher, DecodeLegsThatNeverConnectedLeaveTheReleaseToTheGateway) {
   for (const bool reached : {false, true}) {
     Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")});
     t.prefill.dialect = Dialect::kTandem;
-    t.prefill_retries = 1;
+    // One that reached its engine starts again from the prefill while a retry is left: none is.
+    t.prefill_retries = reached ? 0 : 1;
     Cluster c(t);
     auto client = c.send();
     prefill_answers(c);
@@ -2282,6 +2342,61 @@ TEST(Dispatcher, ANonStreamingAnswerLongerThanFirstTokenMsIs504WithoutRetry) {
     EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
     EXPECT_EQ(c.dispatcher.active(), 0u);
   }
+}
+
+// A non-streaming leg still connecting when first_token_ms (its whole answer's bound) expires never
+// reached its engine: another engine would not take as long, so it is retried (a sequential decode
+// leg with the same KV), not answered 504 "not retried, as another engine would take as long".
+TEST(Dispatcher, ANonStreamingLegStillConnectingAtFirstTokenMsIsRetriedNot504) {
+  for (const PdMode mode : {PdMode::kAggregated, PdMode::kSequential}) {
+    Topology t = mode == PdMode::kAggregated
+                     ? aggregated({engine("a"), engine("b")})
+                     : disaggregated(mode, {engine("p")}, {engine("a"), engine("b")});
+    t.timeouts.first_token = milliseconds(500);
+    Cluster c(t);
+    auto client = c.send(false);
+    if (mode == PdMode::kSequential) prefill_answers(c);
+    auto leg = c.engines.open("/v1/completions");
+    ASSERT_EQ(leg.size(), 1u);
+    ASSERT_EQ(host_of(*leg[0]), "a");
+    leg[0]->connecting = true;
+    c.clock.advance_by(milliseconds(500));
+    EXPECT_TRUE(leg[0]->cancelled);
+    EXPECT_FALSE(client->complete()) << client->error_message;
+    auto retry = c.engines.open("/v1/completions");
+    ASSERT_EQ(retry.size(), 1u);
+    EXPECT_EQ(host_of(*retry[0]), "b");
+    if (mode == PdMode::kSequential) {
+      EXPECT_EQ(json::parse(retry[0]->request.body)["kv_transfer_params"], kHeldKv);
+    }
+    c.answer_all("late but whole");
+    EXPECT_EQ(client->status, 200);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
+// A prefill engine that refuses a decode engine's pull ("too many KV transfer connections ...; try
+// again": a burst of pulls from one decode host) has that decode engine answer 502 without a code:
+// the sequential request starts again from its prefill and the client gets its answer. Each such
+// request was answered 502.
+TEST(Dispatcher, ADecodeLegWhosePullThePrefillEngineRefusedAsBusyIsRetried) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
+  auto client = c.send();
+  prefill_answers(c);
+  FakeEngines::answer(
+      *c.engines.open("/v1/completions").at(0), 502,
+      api::openai_error_body("generation failed: KV transfer from the prefill engine at "
+                             "10.0.0.1:8998 failed: too many KV transfer connections from this "
+                             "address; try again",
+                             "server_error"));
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+  prefill_answers(c);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
@@ -3075,7 +3190,72 @@ TEST(HealthMonitor, AnEjectionAnswersTheRequestsItLeavesWithoutAnEngine) {
   EXPECT_EQ(waiting->status, 503);
   EXPECT_NE(waiting->error_message.find("1 ejected"), std::string::npos) << waiting->error_message;
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
-  EXPECT_FALSE(running->complete());
+  // The running one's leg was cut with its engine (ejected engines are cut: below), and no engine
+  // is left to retry it on.
+  EXPECT_EQ(running->status, 503);
+  EXPECT_NE(running->error_message.find("no healthy engine"), std::string::npos)
+      << running->error_message;
+}
+
+// An engine ejected by its failed probes (hung: it answers nothing) no longer holds the requests
+// already sent to it until their timeouts (300 s): a leg that sent the client nothing is cut and
+// retried on another engine; a stream under way is cut with the error event that says why. They
+// waited for the hung engine.
+TEST(HealthMonitor, AnEjectionCutsTheLegsOnItsEngine) {
+  for (const bool streaming : {false, true}) {
+    Topology t = aggregated({engine("a"), engine("b")});
+    t.health.failures_to_eject = 1;
+    t.health.probe_interval = milliseconds(1000);
+    Cluster c(t);
+    c.health.start();
+    probes_answer(c);
+    auto client = c.send(streaming);
+    auto leg = c.engines.open("/v1/completions");
+    ASSERT_EQ(leg.size(), 1u);
+    ASSERT_EQ(host_of(*leg[0]), "a");
+    const std::string first = net::sse_event(R"({"choices":[{"index":0,"text":"x"}]})");
+    if (streaming) {
+      FakeEngines::head(*leg[0], 200, "text/event-stream");
+      FakeEngines::piece(*leg[0], first);
+      c.clock.run_ready();
+    }
+    c.clock.advance_by(milliseconds(1000));
+    probes_answer(c, {"a"});
+    EXPECT_TRUE(leg[0]->cancelled) << streaming;
+    if (streaming) {
+      json error;
+      expect_error_event_then_done_after(*client, first, error);
+      EXPECT_NE(error.at("message").get<std::string>().find("health probes"), std::string::npos)
+          << error;
+      EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+    } else {
+      auto retry = c.engines.open("/v1/completions");
+      ASSERT_EQ(retry.size(), 1u);
+      EXPECT_EQ(host_of(*retry[0]), "b");
+      EXPECT_FALSE(client->complete());
+      c.answer_all("from b");
+      EXPECT_EQ(client->status, 200);
+    }
+    EXPECT_EQ(c.dispatcher.active(), 0u) << streaming;
+  }
+}
+
+// A drained engine is not ejected: its legs finish.
+TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto client = c.send();
+  auto leg = c.engines.open("/v1/completions").at(0);
+  ASSERT_EQ(host_of(*leg), "a");
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", nullptr));
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c);
+  EXPECT_FALSE(leg->cancelled);
+  c.answer_all("from a");
+  EXPECT_EQ(client->status, 200);
 }
 
 // GET /v1/models, /tokenize and /detokenize are one call to one engine: any engine that is up
