@@ -88,6 +88,9 @@ class VirtualUpstream::CallReply final : public net::Reply {
     finish(why);
   }
 
+  // Its request reached the engine (still queued on its virtual line, it did not).
+  bool delivered = false;
+
   // The caller gave up (Upstream::cancel, or its handler stopped reading).
   void close(const std::string& why) {
     if (state_ == State::kDone || state_ == State::kClosed) return;
@@ -176,6 +179,7 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
                     std::to_string(request.port));
       return;
     }
+    reply->delivered = true;
     engine->second->call(request, reply);
   };
   if (queued)
@@ -198,8 +202,16 @@ void VirtualUpstream::cancel(CallId id) {
   auto it = open_.find(id);
   if (it == open_.end()) return;
   std::shared_ptr<CallReply> reply = it->second;
-  // on_done comes after cancel() returned, as with the HTTP client.
-  clock_.post([reply] { reply->close("cancelled"); });
+  // on_done comes after cancel() returned, as with the HTTP client. A call still queued on its
+  // line never reached the engine: reported as the HTTP client reports a call cancelled before it
+  // connected (kNotConnected), so the gateway lets go of a decode leg's KV that no engine took.
+  clock_.post([reply] {
+    if (!reply->delivered) {
+      reply->refuse("cancelled");
+      return;
+    }
+    reply->close("cancelled");
+  });
 }
 
 }  // namespace tandem::sim

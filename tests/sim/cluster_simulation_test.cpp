@@ -290,6 +290,37 @@ TEST(ClusterSimulation, AnAnswersCreatedIsTheVirtualTimeItsRequestCame) {
   EXPECT_LT(first_came, 86400);  // the virtual clock's day one, not the wall clock's
 }
 
+// A call cancelled while its body is still queued on its virtual line never reached its engine:
+// reported as the HTTP client reports a call cancelled before it connected (kNotConnected), so
+// the gateway lets go of a decode leg's KV no engine took. It ended "cancelled" with no failure,
+// which the gateway reads as a leg that reached its engine (no KV release).
+TEST(ClusterSimulation, ACallCancelledWhileQueuedOnItsLineNeverConnected) {
+  OneEngine one;
+  VirtualUpstream slow{one.clock, 1000};  // 1000 bytes/s: a 1000-byte body takes 1 s
+  slow.add("engine-0", 1, &one.engine);
+  std::optional<net::CallFailure> failure;
+  std::optional<std::string> done;
+  net::AsyncHttpHandlers h;
+  h.on_failure = [&](net::CallFailure f) { failure = f; };
+  h.on_done = [&](const std::string& error) { done = error; };
+  net::AsyncHttpRequest request;
+  request.host = "engine-0";
+  request.port = 1;
+  request.method = "POST";
+  request.target = "/v1/completions";
+  request.body = std::string(1000, ' ');
+  request.timeout = std::chrono::seconds(10);
+  const auto id = slow.start(std::move(request), std::move(h));
+  slow.cancel(id);
+  one.clock.run_ready();
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(*done, "cancelled");
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_EQ(*failure, net::CallFailure::kNotConnected);
+  one.clock.advance_by(std::chrono::seconds(2));  // its delivery time passes: nothing more
+  EXPECT_EQ(one.engine.steps(), 0);
+}
+
 TEST(ClusterSimulation, RequestBodiesArriveInOrderAfterTheirBytes) {
   // A 20K-token prompt and a short one leave the client together. The long body takes its time
   // to reach the gateway and then the engine (twice its bytes at the rate, about 0.2 s each way
