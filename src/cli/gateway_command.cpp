@@ -138,16 +138,31 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
 
 }  // namespace
 
-void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags) {
+void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags,
+                               UpstreamTimeoutUnset unset) {
   cmd.add_option("--prefill-retries", flags.prefill_retries,
                  "other engines tried when a prefill fails before the client got anything")
       ->capture_default_str()
       ->check(CLI::Range(0, gateway::kMaxPrefillRetries));
-  cmd.add_option("--upstream-timeout", flags.upstream_timeout,
-                 "seconds for a prefill, for the first token, and between two pieces of a stream")
-      ->capture_default_str()
-      ->check(finite_seconds())
+  std::string timeout_help =
+      "seconds for a prefill, for the first token, and between two pieces of a stream";
+  if (unset == UpstreamTimeoutUnset::kTopologyDefaults) {
+    const gateway::Timeouts defaults;
+    const auto seconds = [](std::chrono::milliseconds ms) {
+      return CLI::detail::to_string(std::chrono::duration<double>(ms).count());
+    };
+    timeout_help += " (default: " + seconds(defaults.prefill) + " s for a prefill";
+    timeout_help += defaults.first_token == defaults.prefill
+                        ? " and the first token"
+                        : ", " + seconds(defaults.first_token) + " s for the first token";
+    timeout_help += ", " + seconds(defaults.idle) + " s between two pieces of a stream)";
+  }
+  CLI::Option* timeout = cmd.add_option("--upstream-timeout", flags.upstream_timeout, timeout_help);
+  if (unset == UpstreamTimeoutUnset::kFlagDefault) timeout->capture_default_str();
+  timeout->check(finite_seconds())
       ->check(positive_number())
+      // Rounded to milliseconds: less would be none.
+      ->check(at_least_a_millisecond())
       // The topology's bound on durations (about 24.8 days); beyond it the conversion to
       // milliseconds could overflow before validation sees the value.
       ->check(CLI::Range(0.0, 2147483.647));
@@ -217,7 +232,7 @@ void add_gateway_command(CLI::App& app) {
                   "max_new_tokens caps every request where the gateway tokenizes");
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();
-  add_gateway_failure_flags(*cmd, o->failure);
+  add_gateway_failure_flags(*cmd, o->failure, UpstreamTimeoutUnset::kFlagDefault);
   cmd->add_option("--max-connections", o->max_connections,
                   "client connections held at once; past it new ones are closed at once "
                   "(0: three quarters of the file descriptor limit)")

@@ -15,7 +15,13 @@ struct GatewayFailureFlags {
   double upstream_timeout = 300;  // --upstream-timeout, seconds
 };
 
-void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags);
+// What a command does without --upstream-timeout, as its help says it: `tandem gateway` writes
+// the flag's default into every bound; `tandem serve` keeps the topology's own, which end a
+// stream that pauses 120 s.
+enum class UpstreamTimeoutUnset { kFlagDefault, kTopologyDefaults };
+
+void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags,
+                               UpstreamTimeoutUnset unset);
 
 // Writes the flags into `t`: those given on `cmd` only where `t` has settings of its own (a
 // --config file's, serve's), else every flag, given or by default.

@@ -52,4 +52,18 @@ inline CLI::Validator finite_seconds() {
       "FINITE");
 }
 
+// A number of seconds that is a timer's bound: util/duration.h's milliseconds_of rounds below
+// 0.0005 to 0 ms, which the setting's own validation then refused naming a config key the user
+// never wrote ("timeouts.prefill_ms ... got 0"), after `tandem serve` had started its engines.
+inline CLI::Validator at_least_a_millisecond() {
+  return CLI::Validator(
+      [](const std::string& text) {
+        const std::optional<double> value = number_of(text);
+        if (value && *value < 0.001)
+          return "must be at least 0.001 seconds (a millisecond), got " + text;
+        return std::string();
+      },
+      ">=0.001");
+}
+
 }  // namespace tandem::cli

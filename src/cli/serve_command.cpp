@@ -477,7 +477,8 @@ void add_serve_command(CLI::App& app) {
                   "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
-  add_gateway_failure_flags(*cmd, o->gateway_failure);  // checked as the command line is read
+  // Checked as the command line is read; applied only when given (see run).
+  add_gateway_failure_flags(*cmd, o->gateway_failure, UpstreamTimeoutUnset::kTopologyDefaults);
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }

@@ -179,13 +179,27 @@ TEST(CliFlags, ServeChecksADanglingAccessLogSymlinkAtItsTarget) {
 TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythingStarts) {
   const std::string gateway_help = run("gateway --help").output;
   const std::string serve_help = run("serve --help").output;
-  for (const std::string flag : {"--upstream-timeout", "--prefill-retries"}) {
-    const size_t at = gateway_help.find("  " + flag + " ");
-    ASSERT_NE(at, std::string::npos) << flag << " not in gateway --help:\n" << gateway_help;
-    // The flag's two help lines (its name, type, bounds and default, then what it does).
-    const size_t end = gateway_help.find('\n', gateway_help.find('\n', at) + 1);
-    EXPECT_THAT(serve_help, HasSubstr(gateway_help.substr(at, end - at))) << flag;
-  }
+  // The flag's two help lines (its name, type, bounds and default, then what it does).
+  const auto help_of = [](const std::string& help, const std::string& flag) {
+    const size_t at = help.find("  " + flag + " ");
+    if (at == std::string::npos) return std::string();
+    return help.substr(at, help.find('\n', help.find('\n', at) + 1) - at);
+  };
+  const std::string gateway_retries = help_of(gateway_help, "--prefill-retries");
+  ASSERT_FALSE(gateway_retries.empty()) << gateway_help;
+  EXPECT_THAT(serve_help, HasSubstr(gateway_retries));
+  // --upstream-timeout is bounded alike, but serve applies it only when given: its help said the
+  // gateway's [300] while a stream may pause only the topology's 120 s without the flag.
+  const std::string gateway_timeout = help_of(gateway_help, "--upstream-timeout");
+  const std::string serve_timeout = help_of(serve_help, "--upstream-timeout");
+  ASSERT_FALSE(serve_timeout.empty()) << serve_help;
+  EXPECT_THAT(gateway_timeout, HasSubstr("=300")) << gateway_timeout;
+  const std::string type_and_bounds = gateway_timeout.substr(0, gateway_timeout.find('='));
+  EXPECT_THAT(serve_timeout, HasSubstr(type_and_bounds)) << serve_timeout;
+  EXPECT_THAT(serve_timeout, Not(HasSubstr("=300"))) << serve_timeout;
+  EXPECT_THAT(serve_timeout, HasSubstr("(default: 300 s for a prefill and the first token, 120 s "
+                                       "between two pieces of a stream)"))
+      << serve_timeout;
   const std::filesystem::path cache = test::scratch_path("serve-cache-failure-flags", "");
   std::filesystem::create_directories(cache);
   const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
@@ -195,6 +209,10 @@ TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythin
            std::pair{"--upstream-timeout nan",
                      "--upstream-timeout: expected a finite number of seconds, got nan"},
            std::pair{"--upstream-timeout 1e9", "--upstream-timeout: Value 1e9 not in range"},
+           // Rounds to 0 ms: was refused as "timeouts.prefill_ms" once the engines had started.
+           std::pair{"--upstream-timeout 0.0004",
+                     "--upstream-timeout: must be at least 0.001 seconds (a millisecond), got "
+                     "0.0004"},
            std::pair{"--prefill-retries 99", "--prefill-retries: Value 99 not in range 0 to 16"},
            std::pair{"--prefill-retries -1", "--prefill-retries: Value -1 not in range 0 to 16"},
        }) {
@@ -204,6 +222,19 @@ TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythin
     EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << flags << ": no engine started";
     EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
   }
+}
+
+// `tandem gateway --upstream-timeout 0.0004` rounded to 0 ms and was refused by the gateway as
+// "timeouts.prefill_ms ... got 0", a key the user never wrote: the flag is named instead.
+TEST(CliFlags, GatewayRefusesAnUpstreamTimeoutBelowAMillisecondNamingTheFlag) {
+  const Result r =
+      run("gateway --decode 127.0.0.1:9 --host 127.0.0.1 --port 0 "
+          "--upstream-timeout 0.0004");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--upstream-timeout: must be at least 0.001 seconds (a "
+                                  "millisecond), got 0.0004"));
+  EXPECT_THAT(r.output, Not(HasSubstr("timeouts."))) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("listening"))) << r.output;
 }
 
 // A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when
