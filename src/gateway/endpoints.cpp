@@ -370,7 +370,10 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
   if (answer.kind == LoadAnswer::Kind::kNoReport) {
     if (e->load_source == LoadSource::kAsking) {
       // A vLLM or SGLang engine: routed by the gateway's own counts, never waiting for reports
-      // (nor polled again, so no trouble is left standing for /admin/endpoints to show).
+      // (nor polled again, so no trouble is left standing for /admin/endpoints to show). Where a
+      // Tandem engine reported before, another server answers there now: the prefixes the index
+      // holds for that address were the old one's (its readmission left them to the reports).
+      if (e->load.known) forget_cached_prefixes(*e, "no longer sends load reports (replaced?)");
       e->load_source = LoadSource::kOwnCounts;
       e->load_trouble.clear();
       std::fprintf(stderr,
@@ -409,11 +412,14 @@ bool EndpointTable::readmission_is_the_only_restart_signal(const EndpointState& 
   // from seq 0 reaches back only buffer_steps batches, so its oldest, hottest prefixes never came
   // back. The simulator's engines never restart.
   if (external_events_.count(e.id)) return false;
-  // Its load reports tell (their steps go back); they are polled while it is ejected too.
-  if (e.load_source == LoadSource::kReports) return false;
-  // An `auto` engine asked again since an earlier readmission: its next report is compared with
-  // its last one.
-  if (e.load_source == LoadSource::kAsking && e.load.known) return false;
+  // Its load reports tell (their steps go back) where the gateway polls them (while it is ejected
+  // too) and has taken one to compare with: a `tandem` engine, or an `auto` engine asked again
+  // since an earlier readmission. With polling off (load_interval 0), or no report taken yet,
+  // nothing else would ever tell.
+  const bool reports_tell = topo_.scheduling.load_interval.count() > 0 && e.load.known;
+  if (reports_tell &&
+      (e.load_source == LoadSource::kReports || e.load_source == LoadSource::kAsking))
+    return false;
   return true;
 }
 

@@ -40,9 +40,11 @@ struct EngineLoadState {
 // Whether `report` comes from another process than the reports before it: one process's step
 // count and step indices only grow, so either going back means the engine restarted, with an
 // empty prefix cache and a new step history. (A restart whose new process has already run more
-// steps than the old one had cannot be told this way, but an engine ejected while it restarted
-// gets no work until it is readmitted, so its first reports show it. Only an engine without
-// reports is taken as restarted on readmission, endpoints.h.)
+// steps than the old one had cannot be told this way. An engine ejected while it restarted is
+// polled while ejected, so its first report usually shows it before its readmission; a request
+// routed between its readmission and its next report may still follow its old prefixes, which
+// costs a prefill, never a wrong answer. Only an engine whose reports cannot tell is taken as
+// restarted on readmission, endpoints.h.)
 bool reports_a_restart(const EngineLoadState& state, const LoadReport& report);
 
 // The state after a report: its steps newer than `last_step` become batch-time observations (a

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -31,6 +30,7 @@
 #include "gateway/gateway_metrics.h"
 #include "gateway/prefix_index.h"
 #include "gateway/request.h"
+#include "util/bounded_wait.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
@@ -225,6 +225,38 @@ TEST(EngineRestartIndex, AnEngineWithoutLoadReportsReadmittedHasNoCachedPrefixes
   EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
 }
 
+// With load polling off (load_interval 0) no report would ever show a restart: a Tandem engine's
+// readmission is taken as one, as an engine's without reports is.
+TEST(EngineRestartIndex, WithLoadPollingOffAReadmittedEngineHasNoCachedPrefixes) {
+  Gateway g("tcp://127.0.0.1:1");
+  g.topo.scheduling.load_interval = std::chrono::milliseconds(0);
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  g.table.find(g.a)->dialect = Dialect::kTandem;  // whose reports would be polled, were polling on
+  g.table.find(g.a)->load_source = LoadSource::kReports;
+  ASSERT_TRUE(g.eject_by_failed_legs_and_readmit(g.a));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
+}
+
+// A Tandem engine that reported before and was ejected: a readmission leaves its prefixes to its
+// next report. Where that answer says another server (vLLM, SGLang) now serves the address, the
+// old engine's prefixes go.
+TEST(EngineRestartIndex, AnAutoEngineWhoseAddressNoLongerReportsHasNoCachedPrefixes) {
+  Gateway g("tcp://127.0.0.1:1");
+  g.table.find(g.a)->dialect = Dialect::kAuto;
+  g.table.find(g.a)->load_source = LoadSource::kAsking;
+  g.report(g.a, report_after(120));
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  ASSERT_TRUE(g.eject_by_failed_legs_and_readmit(g.a));
+  ASSERT_EQ(g.cached_tokens(g.a, ids), 640);
+  LoadAnswer no_report;
+  no_report.kind = LoadAnswer::Kind::kNoReport;
+  no_report.why = "404";
+  g.table.load_result(g.a, {}, no_report, g.now);
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
+}
+
 // An engine's KV-event stream as the engine publishes it (live, and from its replay buffer), whose
 // seqs the test chooses: a restarted process at the same address counts from 0 again.
 class ScriptedPublisher {
@@ -329,16 +361,6 @@ std::string chain_block(int32_t base, int k) {
   return engine::encode_kv_event_batch({1.0, {s}, {}});
 }
 
-// The consumer's thread writes the index: polled until `done` holds (about 10 s at most), so the
-// test fails rather than hangs.
-bool eventually(const std::function<bool()>& done) {
-  for (int i = 0; i < 400; ++i) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  return false;
-}
-
 // What the consumer is rebuilt for: the new process publishes no event until its first request,
 // and its first seqs (0..6) are no lower than the old stream's last (5), so the old consumer
 // cannot see the restart in them; its batches 0..5 are past, only in its replay buffer. After the
@@ -349,13 +371,16 @@ TEST(EngineRestartIndex, AfterARestartReportTheNewProcesssStreamIsFollowedFromSe
   for (int k = 0; k < 6; ++k) engine.publish(k, chain_block(old_base, k), /*live=*/false);
   Gateway g(engine.endpoint(), engine.replay_endpoint());
   g.report(g.a, report_after(30));
-  ASSERT_TRUE(eventually([&] { return g.index.match_depth(g.a, chain_tokens(old_base, 6)) == 6; }));
+  // The consumer's thread writes the index.
+  testing::repeat_until([&] { return g.index.match_depth(g.a, chain_tokens(old_base, 6)) == 6; },
+                        testing::kHangGuard, "the old stream's blocks in the index");
 
   engine.restart();
   for (int k = 0; k < 6; ++k) engine.publish(k, chain_block(new_base, k), /*live=*/false);
   engine.publish(6, chain_block(new_base, 6));
   g.report(g.a, report_after(1));
-  EXPECT_TRUE(eventually([&] { return g.index.match_depth(g.a, chain_tokens(new_base, 7)) == 7; }));
+  testing::repeat_until([&] { return g.index.match_depth(g.a, chain_tokens(new_base, 7)) == 7; },
+                        testing::kHangGuard, "the new stream's blocks in the index");
   EXPECT_EQ(g.index.match_depth(g.a, chain_tokens(old_base, 6)), 0);
 }
 

@@ -77,7 +77,9 @@ inline void wait_until_asleep(pid_t tid, std::string_view what = "the thread nev
   repeat_until(
       [&] {
         const ProcStat s = read_proc_stat(stat);
-        if (s.error == ENOENT && ::access("/proc/self/task", R_OK) == 0) return true;  // ended
+        // ended (ESRCH: it ended between the open and the read of its stat)
+        if ((s.error == ENOENT || s.error == ESRCH) && ::access("/proc/self/task", R_OK) == 0)
+          return true;
         if (s.error != 0) {
           ADD_FAILURE_AT(where.file_name(), where.line())
               << what << ": cannot observe thread state (" << stat << ": " << std::strerror(s.error)
