@@ -55,6 +55,67 @@ class FullListener {
   uint16_t port_ = 0;
 };
 
+// A loopback port bound but not listening: a connection to it is refused at once.
+class ClosedPort {
+ public:
+  ClosedPort() {
+    socket_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(socket_, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+    socklen_t length = sizeof address;
+    EXPECT_EQ(::getsockname(socket_, reinterpret_cast<sockaddr*>(&address), &length), 0);
+    port_ = ntohs(address.sin_port);
+  }
+  ~ClosedPort() { ::close(socket_); }
+  uint16_t port() const { return port_; }
+
+ private:
+  int socket_ = -1;
+  uint16_t port_ = 0;
+};
+
+AsyncHttpRequest post_to(uint16_t port) {
+  AsyncHttpRequest request;
+  request.host = "127.0.0.1";
+  request.port = port;
+  request.method = "POST";
+  request.target = "/v1/completions";
+  request.body = "{}";
+  return request;
+}
+
+// The call's connection is being made when it is cancelled (ClientConn::connecting()): the client
+// runs its tasks in order, so once a later call to a closed port has ended, the first call's start
+// has run and its connection waits on the full listener. (Cancelled at once instead, as below,
+// a call ends in ClientLoop::begin before it connects, and this path went untested.)
+TEST(AsyncHttpClientCancel, ACallCancelledWhileConnectingReportsThatItNeverConnected) {
+  FullListener engine;
+  ClosedPort closed;
+  AsyncHttpClient client;
+  std::optional<CallFailure> failure;
+  std::promise<std::string> done;
+  AsyncHttpHandlers h;
+  h.on_failure = [&](CallFailure f) { failure = f; };  // on the client's thread, before on_done
+  h.on_done = [&](const std::string& error) { done.set_value(error); };
+  const auto id = client.start(post_to(engine.port()), std::move(h));
+  std::promise<std::string> refused;
+  AsyncHttpHandlers after;
+  after.on_done = [&](const std::string& error) { refused.set_value(error); };
+  client.start(post_to(closed.port()), std::move(after));
+  auto refused_ended = refused.get_future();
+  EXPECT_NE(get_within(refused_ended, kHangGuard, "the call to a closed port never ended"), "");
+  auto ended = done.get_future();
+  EXPECT_EQ(ended.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the first call ended before it was cancelled: it was not connecting";
+  client.cancel(id);
+  EXPECT_EQ(get_within(ended, kHangGuard, "the cancelled call never ended"), "cancelled");
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_EQ(*failure, CallFailure::kNotConnected);
+}
+
+// Cancelled before its start ran on the client's thread: it ends in ClientLoop::begin.
 TEST(AsyncHttpClientCancel, ACallCancelledBeforeItConnectedReportsThatItNeverConnected) {
   FullListener engine;
   AsyncHttpClient client;
