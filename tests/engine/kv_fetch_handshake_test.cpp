@@ -7,7 +7,7 @@
 //
 // The hung prefill is a socket that listens and never accepts, reads or writes (over TCP, and
 // the abstract Unix socket of the shared-memory transport). The decode engine's transfer timeout
-// is 60 s and its handshake timeout 200 ms; the wait for the outcome gives up (ending the run)
+// is 60 s and its handshake timeout 1 s; the wait for the outcome gives up (ending the run)
 // after 30 s, so a fetch bounded by the transfer timeout fails the test instead of hanging it.
 // Nothing asserts on time: the outcome must be the handshake's failure, blamed on the prefill.
 #include <netinet/in.h>
@@ -124,7 +124,8 @@ class HungPrefill {
 // The decode engine's settings that matter here: a transfer timeout far past the wait below, a
 // short handshake timeout.
 constexpr double kTransferTimeoutS = 60;
-constexpr double kHandshakeTimeoutS = 0.2;
+// Long enough for a healthy prefill agent on a loaded machine to answer a pull within it.
+constexpr double kHandshakeTimeoutS = 1.0;
 constexpr std::chrono::seconds kOutcomeGuard{30};  // < kTransferTimeoutS: a hang fails the test
 
 struct Case {
@@ -281,15 +282,6 @@ TEST_F(APrefillBehindASlowLookup, AnswersThePullAndIsNotBlamed) {
   EXPECT_TRUE(r.transfer_gone) << r.error;  // the prefill engine's own answer
   EXPECT_FALSE(r.prefill_fault) << r.error;
   EXPECT_THAT(r.error, ::testing::Not(HasSubstr("did not answer")));
-}
-
-TEST_F(APrefillBehindASlowLookup, ANameThatDoesNotResolveIsNotThePrefillsFault) {
-  TcpTransportOptions io;
-  io.io_timeout = std::chrono::milliseconds(int64_t(kTransferTimeoutS * 1000));
-  const KvFetchResult r = pull_from(make_tcp_transport(io), "no-such-prefill.invalid", 9);
-  EXPECT_FALSE(r.ok);
-  EXPECT_THAT(r.error, HasSubstr("cannot resolve"));
-  EXPECT_FALSE(r.prefill_fault) << r.error;
 }
 
 }  // namespace

@@ -1391,8 +1391,6 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       std::lock_guard lock(mutex_);
       if (slot->cancelled || stopping_)
         throw NotThePrefillsFault(std::string("cancelled (") + e.what() + ")");
-      // A name this host could not look up: its name service's failure, not the prefill's.
-      if (dynamic_cast<const KvHostUnresolved*>(&e)) throw NotThePrefillsFault(e.what());
       if (started_handshake && Clock::now() >= *started_handshake) throw unanswered(e);
       throw;
     }

@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "util/error.h"
 #include "util/shared_memory.h"
 
 namespace tandem::engine {
@@ -201,13 +200,6 @@ struct TcpTransportOptions {
 // that is not in place (the KV protocol's done frame) waits for that. The receiver keeps each
 // peer's mapping across connections (its pages stay mapped) until that peer process exits.
 std::unique_ptr<KvTransport> make_shm_transport(const TcpTransportOptions& options = {});
-
-// connect() could not look the peer's host name up: this host's name service failed, not the
-// peer (KvTransferAgent blames no engine for it).
-class KvHostUnresolved : public Error {
- public:
-  using Error::Error;
-};
 
 // TCP on the project's own sockets (net/socket.h, poll() for the timeouts); frames are [u32
 // type][u32 zero][u64 payload bytes] little-endian + payload.

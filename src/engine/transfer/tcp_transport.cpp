@@ -242,8 +242,7 @@ class TcpTransport : public KvTransport {
     const std::string where = host + ":" + std::to_string(port);
     std::string error;
     const auto addresses = net::detail::resolve(host, port, /*passive=*/false, error);
-    if (addresses.empty())
-      throw KvHostUnresolved("KV transfer: cannot resolve " + where + ": " + error);
+    if (addresses.empty()) throw Error("KV transfer: cannot resolve " + where + ": " + error);
     const auto deadline = Clock::now() + options_.io_timeout;
     std::string last = "no address";
     // Every address in turn: a name may resolve to ::1 and 127.0.0.1 with the server on one.
