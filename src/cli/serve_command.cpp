@@ -279,7 +279,12 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   for (const char* role : mode == gateway::PdMode::kAggregated ? std::vector{"both"}
                                                                : std::vector{"prefill", "decode"}) {
     try {
-      check_engine_command_line(serve_engine_args(role, EnginePorts{}));
+      // With the name the user gave by --engine-arg, as the engines get it: without one the engine
+      // names the model by its folder's path, refused where that is not UTF-8 (the very case
+      // whose error asks for --engine-arg=--served-model-name).
+      std::vector<std::string> own = serve_engine_args(role, EnginePorts{});
+      if (extra.empty()) own.insert(own.end(), {"--served-model-name", served});
+      check_engine_command_line(own);
     } catch (const Error& e) {
       throw Error(std::string("serve: ") + e.what());
     }

@@ -1543,6 +1543,20 @@ TEST(Cli, AModelNameThatIsNotUtf8IsRefusedNamingItsFlagOrFolder) {
     EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag)) << command;
     EXPECT_THAT(r.output, HasSubstr("UTF-8")) << command;
   }
+  // Such a folder with the UTF-8 name its error asks for, given by --engine-arg, gets past the
+  // check; its bad generation_config.json, read after every flag is checked, shows it did (serve
+  // refused it: the engine line it built from its own flags alone lacked the user's name).
+  const auto made = model_without_weights("latin1-model", "tiny-v3");
+  const std::filesystem::path latin1_folder = made.string() + "\xE9";
+  std::filesystem::rename(made, latin1_folder);
+  std::ofstream(latin1_folder / "generation_config.json") << "{not json";
+  const std::string named = "serve --model " + test::quote(latin1_folder) +
+                            " --port 0 --engine-arg=--served-model-name --engine-arg=good";
+  const auto r = run(named);
+  EXPECT_EQ(r.status, 1) << named << ": " << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("UTF-8"))) << named;
+  EXPECT_THAT(r.output, HasSubstr("generation_config.json")) << named;
+  std::filesystem::remove_all(latin1_folder);
 }
 
 // A flag whose setting the run would not use is refused naming it and what it needs, as
