@@ -239,10 +239,14 @@ void Dispatcher::engines_changed() {
       std::vector<Upstream::CallId> calls;
       {
         std::lock_guard lock(r->mutex);
+        // Only a request that sent its client nothing: it is retried elsewhere at no cost. A
+        // stream under way is left to its idle timeout: an engine is ejected for late probes or
+        // failed requests too, and a loaded one whose streams still move would lose them all.
+        if (r->client != ClientState::kNothingSent) continue;
         for (const auto& l : r->legs)
           if (l->running() && l->cancel_reason.empty() &&
               std::find(newly.begin(), newly.end(), l->endpoint) != newly.end()) {
-            l->cancel_reason = "its engine was ejected: it failed its health probes";
+            l->cancel_reason = "its engine was ejected";
             calls.push_back(l->call);
           }
       }

@@ -57,11 +57,11 @@ class Dispatcher {
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
-  // The engines' health changed (HealthMonitor's `changed`): the legs still running on an engine
-  // ejected since the last call are cut, as its failure, since an ejected engine (dead or hung)
-  // would hold them until their timeouts: one that sent the client nothing is retried elsewhere
-  // (attempt_failed), a stream is cut with its error event. A drained engine is not ejected: its
-  // legs finish. Then dispatch().
+  // The engines' health changed (HealthMonitor's `changed`): the legs of requests that sent their
+  // client nothing, still running on an engine ejected since the last call, are cut as its
+  // failure and retried elsewhere (attempt_failed), since an ejected engine (dead or hung) would
+  // hold them until their timeouts. A stream under way keeps its leg (its idle timeout bounds
+  // it); a drained engine is not ejected: its legs finish. Then dispatch().
   void engines_changed();
 
   // Admin operations. add_endpoint returns why it cannot join (empty: added, as endpoint_json's

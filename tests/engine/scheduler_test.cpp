@@ -616,8 +616,9 @@ TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
   // b's recomputed block took a's cache entry over: a's copy of it is free and uncached.
   EXPECT_TRUE(f.kv.cached_hash(table[2]).has_value());
   for (int32_t id : cached_by_a)
-    if (std::find(table.begin(), table.end(), id) == table.end())
+    if (std::find(table.begin(), table.end(), id) == table.end()) {
       EXPECT_FALSE(f.kv.cached_hash(id).has_value()) << "block " << id;
+    }
   EXPECT_EQ(f.kv.num_cached_blocks(), 3);
   EXPECT_EQ(f.kv.num_free_blocks(), 60);
   f.kv.check_invariants();
