@@ -9,18 +9,11 @@
 // hashes, 16-token blocks); the last one follows a scripted publisher's stream on loopback.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <mutex>
-#include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
-
-#include <zmq.hpp>
-#include <zmq_addon.hpp>
 
 #include "api/block_hash.h"
 #include "api/load_report.h"
@@ -30,11 +23,14 @@
 #include "gateway/gateway_metrics.h"
 #include "gateway/prefix_index.h"
 #include "gateway/request.h"
+#include "gateway/scripted_kv_publisher.h"
 #include "util/bounded_wait.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
 namespace {
+
+using testing::ScriptedPublisher;
 
 Endpoint engine_named(const std::string& name, const std::string& kv_events = {},
                       const std::string& kv_events_replay = {}) {
@@ -257,89 +253,6 @@ TEST(EngineRestartIndex, AnAutoEngineWhoseAddressNoLongerReportsHasNoCachedPrefi
   EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
 }
 
-// An engine's KV-event stream as the engine publishes it (live, and from its replay buffer), whose
-// seqs the test chooses: a restarted process at the same address counts from 0 again.
-class ScriptedPublisher {
- public:
-  ScriptedPublisher() {
-    pub_.set(zmq::sockopt::linger, 0);
-    pub_.bind("tcp://127.0.0.1:*");
-    endpoint_ = pub_.get(zmq::sockopt::last_endpoint);
-    router_.set(zmq::sockopt::linger, 0);
-    router_.bind("tcp://127.0.0.1:*");
-    replay_endpoint_ = router_.get(zmq::sockopt::last_endpoint);
-    thread_ = std::thread([this] { serve(); });
-  }
-  ~ScriptedPublisher() {
-    stop_ = true;
-    thread_.join();
-  }
-
-  // Kept in the replay buffer; sent live too unless `live` is false (published before the
-  // consumer's subscription could see it).
-  void publish(uint64_t seq, const std::string& payload, bool live = true) {
-    {
-      std::lock_guard lock(mutex_);
-      history_.emplace_back(seq, payload);
-    }
-    if (!live) return;
-    pub_.send(zmq::buffer(std::string("kv@test")), zmq::send_flags::sndmore);
-    pub_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
-    pub_.send(zmq::buffer(payload), zmq::send_flags::none);
-  }
-  // The process restarted: its replay buffer starts empty.
-  void restart() {
-    std::lock_guard lock(mutex_);
-    history_.clear();
-  }
-  const std::string& endpoint() const { return endpoint_; }
-  const std::string& replay_endpoint() const { return replay_endpoint_; }
-
- private:
-  static std::string be64(uint64_t v) {
-    std::string out(8, '\0');
-    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(v >> (56 - 8 * i));
-    return out;
-  }
-
-  // Answers replay requests [identity, "", start seq] with every kept batch from the start seq,
-  // then the end marker, as the engine does.
-  void serve() {
-    zmq_pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
-    while (!stop_) {
-      if (zmq::poll(&item, 1, std::chrono::milliseconds(20)) == 0) continue;
-      std::vector<zmq::message_t> frames;
-      if (!zmq::recv_multipart(router_, std::back_inserter(frames))) continue;
-      if (frames.size() != 3 || frames[2].size() != 8) continue;
-      const auto* p = static_cast<const unsigned char*>(frames[2].data());
-      uint64_t start = 0;
-      for (int i = 0; i < 8; ++i) start = (start << 8) | p[i];
-      std::vector<std::pair<uint64_t, std::string>> send;
-      {
-        std::lock_guard lock(mutex_);
-        for (const auto& [seq, payload] : history_)
-          if (seq >= start) send.emplace_back(seq, payload);
-      }
-      send.emplace_back(~uint64_t{0}, "");
-      for (const auto& [seq, payload] : send) {
-        router_.send(zmq::buffer(frames[0].to_string()), zmq::send_flags::sndmore);
-        router_.send(zmq::message_t(), zmq::send_flags::sndmore);
-        router_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
-        router_.send(zmq::buffer(payload), zmq::send_flags::none);
-      }
-    }
-  }
-
-  zmq::context_t context_{1};
-  zmq::socket_t pub_{context_, zmq::socket_type::pub};
-  zmq::socket_t router_{context_, zmq::socket_type::router};
-  std::string endpoint_, replay_endpoint_;
-  std::mutex mutex_;
-  std::vector<std::pair<uint64_t, std::string>> history_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
 std::vector<int32_t> chain_tokens(int32_t base, int n) {
   std::vector<int32_t> t;
   for (int k = 0; k < n; ++k) {
@@ -375,7 +288,7 @@ TEST(EngineRestartIndex, AfterARestartReportTheNewProcesssStreamIsFollowedFromSe
   testing::repeat_until([&] { return g.index.match_depth(g.a, chain_tokens(old_base, 6)) == 6; },
                         testing::kHangGuard, "the old stream's blocks in the index");
 
-  engine.restart();
+  engine.forget_history();  // the new process: its replay buffer starts empty
   for (int k = 0; k < 6; ++k) engine.publish(k, chain_block(new_base, k), /*live=*/false);
   engine.publish(6, chain_block(new_base, 6));
   g.report(g.a, report_after(1));
