@@ -223,8 +223,11 @@ void Dispatcher::dispatch() {
 
 void Dispatcher::engines_changed() {
   std::vector<int> ejected, newly;
+  // Ejected and failing its probes: an engine ejected for failed requests but answering its
+  // probes may still be working through the legs it holds (a loaded one), and its next passing
+  // probe readmits it.
   for (const auto& [id, e] : endpoints_.all()) {
-    if (e.healthy) continue;
+    if (e.healthy || !e.probe_failed) continue;
     ejected.push_back(id);
     if (e.in_flight > 0 && std::find(ejected_.begin(), ejected_.end(), id) == ejected_.end())
       newly.push_back(id);

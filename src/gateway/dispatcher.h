@@ -58,9 +58,10 @@ class Dispatcher {
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
   // The engines' health changed (HealthMonitor's `changed`): the legs of requests that sent their
-  // client nothing, still running on an engine ejected since the last call, are cut as its
-  // failure and retried elsewhere (attempt_failed), since an ejected engine (dead or hung) would
-  // hold them until their timeouts. A stream under way keeps its leg (its idle timeout bounds
+  // client nothing, still running on an engine ejected and failing its health probes since the
+  // last call, are cut as its failure and retried elsewhere (attempt_failed), since such an engine
+  // (dead or hung) would hold them until their timeouts; one ejected for failed requests that
+  // still answers its probes keeps them. A stream under way keeps its leg (its idle timeout bounds
   // it); a drained engine is not ejected: its legs finish. Then dispatch().
   void engines_changed();
 
@@ -220,8 +221,8 @@ class Dispatcher {
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;
   std::map<int, int64_t> decode_reserved_;  // sequential mode: requests per group (reserve_decode)
-  std::vector<int> ejected_;                // engines unhealthy at the last engines_changed()
-  int64_t kv_releases_ = 0;                 // release_held_kv calls under way
+  std::vector<int> ejected_;  // engines ejected and failing probes at the last engines_changed()
+  int64_t kv_releases_ = 0;   // release_held_kv calls under way
   std::deque<KvRelease> kv_releases_waiting_;  // their turn after those (release_held_kv)
   LogThrottle kv_release_log_{std::chrono::seconds(10)};
   RequestRecorder recorder_;

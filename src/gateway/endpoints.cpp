@@ -325,10 +325,12 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (!e) return false;
   e->probing = false;
   if (!ok) {
-    const bool was_healthy = e->healthy;
+    const bool was_healthy = e->healthy, was_failing = e->probe_failed;
+    e->probe_failed = true;
     failure(*e);
-    return was_healthy && !e->healthy;
+    return !e->healthy && (was_healthy || !was_failing);
   }
+  e->probe_failed = false;
   e->probe_passed = now;
   e->consecutive_failures = 0;
   if (e->healthy) return false;

@@ -58,6 +58,9 @@ struct EndpointState {
   Dialect dialect = Dialect::kAuto;
   int64_t max_in_flight = 0;
   bool healthy = true, draining = false, probing = false;
+  // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
+  // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
+  bool probe_failed = false;
   Clock::time_point readmitted{};    // when a probe last readmitted it (its limit ramps up since)
   Clock::time_point probe_passed{};  // when a health probe last passed
   int consecutive_failures = 0;
@@ -159,7 +162,8 @@ class EndpointTable {
 
   // Health probe and load poll results; true when the engine's state changed so that waiting
   // requests may now start (readmitted, or a fresher load report) or have no engine left
-  // (ejected by its probes): the caller dispatches again.
+  // (ejected by its probes), or an ejected engine's probes began to fail: the caller dispatches
+  // again (engines_changed).
   bool probe_result(int id, bool ok, Clock::time_point now);
   bool load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer, Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a

@@ -3243,6 +3243,33 @@ TEST(HealthMonitor, AnEjectionRetriesElsewhereTheLegsOnItsEngineThatSentNothing)
   }
 }
 
+// An engine ejected for failed requests that still answers its probes (a loaded one) may still
+// be working through the legs it holds: they are not cut until its probes fail too.
+TEST(HealthMonitor, AnEngineEjectedForFailedRequestsKeepsItsLegsUntilItsProbesFail) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto client = c.send();
+  auto leg = c.engines.open("/v1/completions");
+  ASSERT_EQ(leg.size(), 1u);
+  ASSERT_EQ(host_of(*leg[0]), "a");
+  for (const auto& [id, e] : c.endpoints.all())
+    if (e.config.name == "a") c.endpoints.failure(*c.endpoints.find(id));  // a failed request
+  c.dispatcher.engines_changed();  // as a load report from any engine calls it
+  EXPECT_FALSE(leg[0]->cancelled);
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"a"});
+  EXPECT_TRUE(leg[0]->cancelled);
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "b");
+  c.answer_all("from b");
+  EXPECT_EQ(client->status, 200);
+}
+
 // A drained engine is not ejected: its legs finish.
 TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
   Topology t = aggregated({engine("a"), engine("b")});
