@@ -376,6 +376,7 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
       // Tandem engine reported before, another server answers there now: the prefixes the index
       // holds for that address were the old one's (its readmission left them to the reports).
       if (e->load.known) forget_cached_prefixes(*e, "no longer sends load reports (replaced?)");
+      e->load = {};  // the old server's: neither shown nor compared with a later report
       e->load_source = LoadSource::kOwnCounts;
       e->load_trouble.clear();
       std::fprintf(stderr,

@@ -227,8 +227,8 @@ class SlowLookupTransport : public KvTransport {
 
 // The handshake timeout bounds the prefill engine's answers, not this host's name lookup: a
 // healthy prefill engine reached after a lookup longer than the timeout answers the pull (here a
-// refusal: it holds no such transfer), and nothing blames it. A name that does not resolve is
-// no prefill engine's fault either.
+// refusal: it holds no such transfer), and nothing blames it. (A name that does not resolve is
+// the prefill engine's fault: it advertised it.)
 class APrefillBehindASlowLookup : public ::testing::Test {
  protected:
   KvFetchResult pull_from(std::unique_ptr<KvTransport> transport, const std::string& host,
