@@ -30,6 +30,7 @@
 #include "net/http_client.h"
 #include "util/bounded_wait.h"
 #include "util/file.h"
+#include "util/loopback_socket.h"
 
 namespace tandem::engine {
 namespace {
@@ -418,13 +419,8 @@ TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWor
       "POST /v1/completions HTTP/1.1\r\nHost: engine\r\nX-Hold: 1\r\n"
       "Content-Type: application/json\r\nContent-Length: " +
       std::to_string(text.size()) + "\r\n\r\n" + text;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = tandem::testing::connect_loopback(server_.port());
   ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(server_.port());
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
   auto there = held_.get_future();
   net::Reply* reply = get_within(there, kHangGuard, "the request never reached its preparation");

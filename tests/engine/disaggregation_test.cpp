@@ -28,6 +28,7 @@
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "text/oracle_support.h"
+#include "util/loopback_socket.h"
 
 namespace tandem::engine {
 namespace {
@@ -1001,13 +1002,8 @@ TEST_F(Disaggregation, AParkedRoomPrefillLegWhoseClientLeavesLetsItsKvGoAtOnce) 
       "POST /v1/completions HTTP/1.1\r\nHost: prefill\r\nContent-Type: application/json\r\n"
       "Content-Length: " +
       std::to_string(text.size()) + "\r\n\r\n" + text;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = tandem::testing::connect_loopback(p.port());
   ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(p.port());
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
   const bool parked =
       eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 7; });

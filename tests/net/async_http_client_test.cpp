@@ -33,6 +33,7 @@
 #include "net/http_server.h"
 #include "scripted_server.h"
 #include "util/bounded_wait.h"
+#include "util/loopback_socket.h"
 
 namespace tandem::net {
 namespace {
@@ -402,13 +403,8 @@ TEST(RawServerDeathTest, AClientThatNeverConnectsEndsTheRunInsteadOfHangingIt) {
 // ...and a client that sends a head without its end, and stays, is a failure at the size bound.
 TEST(RawServer, ARequestHeadWithoutItsEndIsAFailureAtTheSizeBound) {
   RawServer server;
-  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int client = tandem::testing::connect_loopback(server.port());
   ASSERT_GE(client, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(server.port());
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   // More than the bound, sent beside the test thread: the send may wait for the server's reads.
   auto sender = std::async(std::launch::async, [client] {
     const std::string endless = "GET / HTTP/1.1\r\nX-Long: " + std::string(100 * 1024, 'x');
