@@ -46,6 +46,12 @@ inline constexpr std::string_view kKvTransferFailedCode = "kv_transfer_failed";
 // starts the request again from a prefill engine and counts it against neither engine.
 inline constexpr std::string_view kKvTransferExpiredCode = "kv_transfer_expired";
 
+// The code of a sequential P/D decode leg's error when its prefill engine refused the pull for
+// now (every KV transfer connection it allows, in all or from the decode engine's address, was in
+// use): the KV is still held there and no engine failed, so a gateway sends a decode leg again
+// with the same kv_transfer_params after a short wait, and counts it against neither engine.
+inline constexpr std::string_view kKvTransferBusyCode = "kv_transfer_busy";
+
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
 // 5xx (OpenAI's own names).
 std::string_view default_error_type(int status);
