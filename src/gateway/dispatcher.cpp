@@ -567,6 +567,9 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
         r->prefill_blamed_attempt = leg->attempt;
       }
       if (blame_source) prefill_engine_failed(kv_source, leg->started);
+      // The request ended (finished() ran) while this decode leg could still take its KV (it was
+      // connecting when cancelled): it did not, and was the last that could.
+      if (leg->left_kv_untaken && r->booking == Booking::kOutside) release_unclaimed_kv(*r);
       leg_done(*leg, outcome);
     });
   };
@@ -864,17 +867,18 @@ void Dispatcher::finished(const RequestPtr& r) {
 
 void Dispatcher::release_unclaimed_kv(Request& r) {
   if (r.held_kv.empty()) return;
-  const std::string params = std::exchange(r.held_kv, {});
   {
     std::lock_guard lock(r.mutex);
     // A decode leg sent with this KV that has not ended leaving it untaken may have reached its
-    // engine, which pulls the KV or lets it go itself.
+    // engine, which pulls the KV or lets it go itself. One still running keeps held_kv: if it
+    // ends leaving the KV untaken after all (it was still connecting), its completion calls this
+    // again.
     for (const auto& l : r.legs)
       if (!l->prefill && l->attempt >= r.held_kv_attempt &&
           !(l->state == LegState::kFinished && l->left_kv_untaken))
         return;
   }
-  release_held_kv(r.held_kv_endpoint, params, r.headers);
+  release_held_kv(r.held_kv_endpoint, std::exchange(r.held_kv, {}), r.headers);
 }
 
 void Dispatcher::release_held_kv(int endpoint_id, const std::string& params,

@@ -2168,6 +2168,52 @@ TEST(Dispatcher, ADecodeLegCancelledWhileConnectingHasThePrefillEngineLetGo) {
   }
 }
 
+// The real HTTP client reports a cancelled call later, from its io thread: the request may end
+// (finished() runs) while its decode leg is still connecting, and the leg then ends without
+// having reached its engine. The prefill engine must still be told to let go, once, when that
+// leg ends. The gateway had dropped the KV's params at the request's end and sent nothing: the
+// blocks stayed held until the engine's --kv-transfer-timeout.
+TEST(Dispatcher, ADecodeLegThatEndsUnconnectedAfterItsRequestEndedHasThePrefillEngineLetGo) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  c.engines.answer_after_cancel = true;  // the cancel's report comes after the request ended
+  client->leave();
+  c.clock.run_ready();
+  EXPECT_TRUE(decode[0]->cancelled);
+  EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << "the leg may still reach d";
+  FakeEngines::unreachable(*decode[0]);
+  c.clock.run_ready();
+  const auto releases = c.engines.all("/v1/kv_transfer/release");
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(host_of(*releases[0]), "p");
+  EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// The same leg ending after it connected may have reached its engine, which owns the KV then:
+// nothing is sent, now or later.
+TEST(Dispatcher, ADecodeLegThatEndsConnectedAfterItsRequestEndedLeavesTheKvToItsEngine) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  c.engines.answer_after_cancel = true;
+  client->leave();
+  c.clock.run_ready();
+  FakeEngines::finish(*decode[0], "cancelled");
+  c.clock.run_ready();
+  EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty());
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // An `auto` prefill engine whose GET /load has not answered yet (it just joined, or was just
 // readmitted after an ejection) answered with kv_transfer_params like any other: a Tandem engine
 // holds that KV, so it is told to let go. The release was skipped and counted nowhere.
