@@ -1302,6 +1302,47 @@ class KvTransferAgents : public ::testing::Test {
     EXPECT_FALSE(late.called);
   }
 
+  // A pull refused because every connection the prefill engine allows from this address is in
+  // use (64 silent ones, in their handshake) says so (prefill_busy), blames no engine, and leaves
+  // the hold there: the same pull takes the KV once a connection is free. It was a code-less
+  // failure, which sent the gateway back to a prefill though the KV was still held.
+  void a_busy_prefill_refuses_a_pull_for_now() {
+    handshake_timeout_s_ = 600;  // past the hang guard: only their closing frees their slots
+    start(600);                  // nor does the hold expire
+    std::vector<std::unique_ptr<RawSocket>> silent;
+    for (int64_t i = 0; i < KvHandshakeCounts::kMaxPerAddress; ++i) {
+      silent.push_back(std::make_unique<RawSocket>(prefill_->port()));
+      ASSERT_TRUE(silent.back()->connected());
+    }
+    bool released = false;
+    const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                          [&] { released = true; });
+    const KvFetchResult refused = wait(fetch(pull(id, 0, 10, local_)));
+    EXPECT_FALSE(refused.ok);
+    EXPECT_TRUE(refused.prefill_busy) << refused.error;
+    EXPECT_FALSE(refused.prefill_fault) << refused.error;
+    EXPECT_FALSE(refused.transfer_gone) << refused.error;
+    EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
+    EXPECT_EQ(prefill_->held_blocks(), int64_t(remote_.size()));
+    EXPECT_EQ(decode_exec_.writes(), 0);
+    silent.clear();  // the server notices them go and frees their slots
+    int attempt = 0;
+    KvFetchResult pulled;
+    repeat_until(
+        [&] {
+          pulled = wait(fetch(pull(id, 0, 10, local_, "req-" + std::to_string(attempt++))));
+          // Busy until the server has noticed; never anything else.
+          EXPECT_TRUE(pulled.ok || pulled.prefill_busy) << pulled.error;
+          return pulled.ok || !pulled.prefill_busy;
+        },
+        kHangGuard, "the slots of the closed connections were never freed");
+    ASSERT_TRUE(pulled.ok) << pulled.error;
+    FakeExecutor expected;
+    expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+    EXPECT_TRUE(decode_exec_.data() == expected.data());
+    EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  }
+
   Outcome fetch(KvTransferAgent& agent, KvFetch f) {
     auto out = std::make_shared<std::optional<KvFetchResult>>();
     agent.fetch(std::move(f), [out](const KvFetchResult& r) { *out = r; });
@@ -1692,6 +1733,16 @@ TEST_F(KvTransferAgents, OneAddressHoldsAtMost64ConnectionsInTheHandshake) {
   repeat_until(
       [&] { return wait(fetch(pull(id, 0, 10, local_, "req-" + std::to_string(attempt++)))).ok; },
       kHangGuard, "the slots of the closed connections were never freed");
+}
+
+TEST_F(KvTransferAgents, APullRefusedForWantOfConnectionsSaysTheKvIsStillHeld) {
+  a_busy_prefill_refuses_a_pull_for_now();
+}
+
+// With a secret the refusal answers the handshake's first frame, not the pull.
+TEST_F(KvTransferAgents, WithASecretAPullRefusedForWantOfConnectionsSaysTheKvIsStillHeld) {
+  prefill_secret_ = decode_secret_ = "s3cret";
+  a_busy_prefill_refuses_a_pull_for_now();
 }
 
 TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <random>
 
@@ -62,9 +63,17 @@ void send_json(KvConnection& conn, KvFrameType type, const json& j) {
   conn.send(type, parts);
 }
 
-void send_error(KvConnection& conn, const std::string& message, bool transfer_gone = false) {
+// What a refusal tells the decode engine besides its message (KvFetchResult).
+enum class Refusal {
+  kOther,
+  kTransferGone,  // "transfer_gone": true, KvFetchResult::transfer_gone
+  kBusy,          // "busy": true, KvFetchResult::prefill_busy
+};
+
+void send_error(KvConnection& conn, const std::string& message, Refusal kind = Refusal::kOther) {
   json error = {{"message", message}};
-  if (transfer_gone) error["transfer_gone"] = true;  // KvFetchResult::transfer_gone
+  if (kind == Refusal::kTransferGone) error["transfer_gone"] = true;
+  if (kind == Refusal::kBusy) error["busy"] = true;
   try {
     send_json(conn, KvFrameType::kError, error);
   } catch (const std::exception&) {
@@ -72,12 +81,14 @@ void send_error(KvConnection& conn, const std::string& message, bool transfer_go
   }
 }
 
-// Tells a connection that will not be served why, without waiting on its peer: the frame goes
-// only if it fits at once. The accept loop refuses, and nothing may hold it (nor the shutdown that
-// joins it): a local peer writes the counters of its shared-memory ring and can claim it full.
-void refuse(KvConnection& conn, const std::string& message) {
+// Tells a connection that will not be served now (every connection it may take is in use) why,
+// as busy: the same request may succeed later, and a pull's KV stays held. Without waiting on its
+// peer: the frame goes only if it fits at once. The accept loop refuses, and nothing may hold it
+// (nor the shutdown that joins it): a local peer writes the counters of its shared-memory ring and
+// can claim it full.
+void refuse_for_now(KvConnection& conn, const std::string& message) {
   conn.set_timeout(std::chrono::milliseconds(0));
-  send_error(conn, message);
+  send_error(conn, message, Refusal::kBusy);
 }
 
 json parse_control(const KvFrame& f, const std::string& what) {
@@ -113,13 +124,29 @@ class TransferGone : public NotThePrefillsFault {
   using NotThePrefillsFault::NotThePrefillsFault;
 };
 
-// Throws the refusal a peer's error frame carries.
-[[noreturn]] void throw_refusal(const KvFrame& f) {
+// The prefill engine's answer that every connection it allows was in use (KvFetchResult::
+// prefill_busy).
+class PrefillBusy : public NotThePrefillsFault {
+ public:
+  using NotThePrefillsFault::NotThePrefillsFault;
+};
+
+// Whether an error frame's JSON sets `flag` (Refusal).
+bool refusal_says(const json& j, const char* flag) {
+  return j.is_object() && j.contains(flag) && j[flag] == true;
+}
+
+// The refusal a peer's error frame carries, as the exception that stands for it.
+std::exception_ptr refusal_of(const KvFrame& f) {
   const std::string message = error_message(f);
   const json j = parse_control(f, "error");
-  if (j.is_object() && j.contains("transfer_gone") && j["transfer_gone"] == true)
-    throw TransferGone(message);
-  throw NotThePrefillsFault(message);
+  if (refusal_says(j, "transfer_gone")) return std::make_exception_ptr(TransferGone(message));
+  if (refusal_says(j, "busy")) return std::make_exception_ptr(PrefillBusy(message));
+  return std::make_exception_ptr(NotThePrefillsFault(message));
+}
+
+[[noreturn]] void throw_refusal(const KvFrame& f) {
+  std::rethrow_exception(refusal_of(f));
 }
 
 // Sends the decode side's first frame on a connection. A prefill engine that refuses the
@@ -131,16 +158,16 @@ void send_opening(KvConnection& conn, KvFrameType type, const std::string& text)
     const std::span<const std::byte> parts[] = {bytes_of(text)};
     conn.send(type, parts);
   } catch (const std::exception&) {
-    std::string refusal;
+    std::exception_ptr refusal;
     try {
       conn.set_timeout(std::chrono::milliseconds(0));
       // A refusal is short, and the peer may not have proven anything yet.
       const KvFrame f = conn.receive(kHandshakeFrameLimit);
-      if (f.type == KvFrameType::kError) refusal = error_message(f);
+      if (f.type == KvFrameType::kError) refusal = refusal_of(f);
     } catch (const std::exception&) {
       // Nothing was said: the failed send's error stands.
     }
-    if (!refusal.empty()) throw NotThePrefillsFault(refusal);
+    if (refusal) std::rethrow_exception(refusal);
     throw;
   }
 }
@@ -215,8 +242,12 @@ std::string authenticate_to_prefill(KvConnection& conn, const std::string& secre
   send_opening(conn, KvFrameType::kAuth, json{{"nonce", mine}}.dump());
   const KvFrame reply = conn.receive(kHandshakeFrameLimit);
   const json answer = handshake_json(reply);
-  if (reply.type == KvFrameType::kError)
-    throw KvTransferError("KV transfer from " + where + ": " + handshake_field(answer, "message"));
+  if (reply.type == KvFrameType::kError) {
+    const std::string refusal =
+        "KV transfer from " + where + ": " + handshake_field(answer, "message");
+    if (refusal_says(answer, "busy")) throw PrefillBusy(refusal);
+    throw KvTransferError(refusal);
+  }
   const std::string theirs = handshake_field(answer, "nonce");
   if (reply.type != KvFrameType::kAuth || theirs.empty())
     throw KvTransferError("KV transfer from " + where + ": no answer to the handshake");
@@ -754,11 +785,11 @@ void KvTransferAgent::accept_loop() {
       }
     }
     if (!refusal.empty()) {
-      refuse(*shared, refusal);
+      refuse_for_now(*shared, refusal);
       continue;
     }
     if (!spawn([this, shared, peer] { serve(shared, peer); })) {
-      refuse(*shared, "the prefill engine cannot start a transfer thread; try again");
+      refuse_for_now(*shared, "the prefill engine cannot start a transfer thread; try again");
       std::lock_guard lock(mutex_);
       --connections_;
       std::erase(serving_, shared);
@@ -931,7 +962,8 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
     }
   }
   if (!problem.empty()) {
-    send_error(conn, problem, gone);  // outside the lock: a slow peer must not stall the agent
+    // Outside the lock: a slow peer must not stall the agent.
+    send_error(conn, problem, gone ? Refusal::kTransferGone : Refusal::kOther);
     return;
   }
   bool ok = false;
@@ -1519,6 +1551,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     result.error = "KV transfer from the prefill engine at " + where + " failed: " + e.what();
     std::lock_guard lock(mutex_);
     result.transfer_gone = f.pull && dynamic_cast<const TransferGone*>(&e) != nullptr;
+    // A room's registration refused for now is no pull of KV held: its leg fails as any refusal's.
+    result.prefill_busy =
+        f.pull && dynamic_cast<const PrefillBusy*>(&e) != nullptr && !slot->cancelled && !stopping_;
     result.prefill_fault = !dynamic_cast<const NotThePrefillsFault*>(&e) &&
                            !dynamic_cast<const KvTransferError*>(&e) && !slot->cancelled &&
                            !stopping_;

@@ -180,6 +180,11 @@ struct KvFetchResult {
   // --kv-transfer-timeout, was pulled already, or was never held there, as after a restart): no
   // engine's fault, and the prompt's KV is gone, so the request must be prefilled again.
   bool transfer_gone = false;
+  // A pull the prefill engine refused for now, before reading it: every KV transfer connection it
+  // allows (in all, or from this engine's address or its /64) was in use, or it could not start a
+  // thread for one. No engine's fault, and the KV is still held there: the same pull may succeed
+  // once a connection is free.
+  bool prefill_busy = false;
 };
 
 // A transfer that cannot happen for a reason on the other engine (its answer is a 502, not a

@@ -123,8 +123,14 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // A prefill engine that died, hung or broke the protocol: the code says so, since a gateway
     // that counted it against this engine got every decode engine whose legs waited on a hung
     // prefill engine ejected. A transfer the prefill engine no longer holds says the KV is gone
-    // (the gateway prefills the prompt again). Other failures (this engine's own, or an answered
-    // refusal) name no engine at fault.
+    // (the gateway prefills the prompt again). One whose transfer connections were all in use
+    // is full for now (503) and still holds the KV: the gateway sends the leg again with the
+    // same kv_transfer_params after a short wait. Other failures (this engine's own, or an
+    // answered refusal) name no engine at fault.
+    if (result.prefill_busy) {
+      host_.fail(seq, result.error, 503, std::string(api::kKvTransferBusyCode));
+      return;
+    }
     const std::string_view code = result.prefill_fault   ? api::kKvTransferFailedCode
                                   : result.transfer_gone ? api::kKvTransferExpiredCode
                                                          : std::string_view();

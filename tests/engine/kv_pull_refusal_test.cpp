@@ -1,0 +1,131 @@
+// A decode engine's pull of a prompt's KV that fails, as the engine reports it and as it leaves the
+// prefill engine's hold (PdCoordinator::on_fetch_done): each outcome of a failed pull
+// (KvFetchResult) gives the decode leg's error its status and code (api/error.h), which tell the
+// gateway what to do next, and the hold is released from here exactly where no pull will come
+// for it again and nothing else lets it go.
+//
+// The engine runs a simulated executor in process, stepped by run_once(); its KV transfers are a
+// fake whose fetches end when the test ends them (kv_transfer_test.cpp has the real agents
+// produce each outcome).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "api/error.h"
+#include "engine/engine.h"
+#include "engine/sim_engine_fixture.h"
+#include "engine/transfer/kv_transfer.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+namespace {
+
+// KV transfers whose fetches end when the test ends them, and which record the releases asked of
+// prefill engines.
+class FakeTransfers final : public KvTransfers {
+ public:
+  const KvTransferConfig& config() const override { return config_; }
+  bool serving() const override { return false; }
+  uint16_t port() const override { return 0; }
+  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task) override { return "t"; }
+  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone) override { return 0; }
+  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
+  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
+  void room_progress(uint64_t, uint64_t, int64_t) override {}
+  void room_failed(uint64_t, uint64_t, const std::string&) override {}
+  void fetch(KvFetch, std::function<void(const KvFetchResult&)> done) override {
+    fetches.push_back(std::move(done));
+  }
+  void cancel_fetch(const std::string&) override {}
+  void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
+                      const std::string& transfer_id, std::vector<int32_t> blocks) override {
+    releases.push_back({host, port, engine_id, transfer_id, std::move(blocks)});
+  }
+  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
+                    const std::string&) override {}
+  int64_t held_blocks() const override { return 0; }
+
+  struct Release {
+    std::string host;
+    uint16_t port = 0;
+    std::string engine_id, transfer_id;
+    std::vector<int32_t> blocks;
+  };
+  std::vector<std::function<void(const KvFetchResult&)>> fetches;  // their ends, in order
+  std::vector<Release> releases;
+
+ private:
+  KvTransferConfig config_;
+};
+
+// A decode engine in process whose one pull the test ends with `result`: the leg's final output
+// and the releases the engine asked for.
+struct PullEnded {
+  api::RequestOutput output;
+  std::vector<FakeTransfers::Release> releases;
+};
+
+PullEnded end_a_pull_with(const KvFetchResult& result) {
+  metrics::Registry registry;
+  FakeTransfers* fake = nullptr;
+  EngineConfig config;
+  config.role = EngineRole::kDecode;
+  config.transfer = KvTransferConfig{};
+  config.make_transfers = [&fake](Executor&, KvTransfers::Post) {
+    auto t = std::make_unique<FakeTransfers>();
+    fake = t.get();
+    return t;
+  };
+  auto engine = test::sim_engine(config, test::deepseek_v3_tokenizer(), registry);
+  EngineRequest r;
+  r.id = "leg";
+  r.prompt = test::tokens(40, 100);
+  r.sampling.max_tokens = 4;
+  KvTransferSpec& kt = r.kv_transfer;
+  kt.mode = KvTransferSpec::Mode::kDecodeByPull;
+  kt.host = "10.0.0.7";
+  kt.port = 7100;
+  kt.engine_id = "prefill-0";
+  kt.transfer_id = "prefill-0-t0";
+  kt.remote_blocks = {4, 5, 6};
+  PullEnded ended;
+  r.on_output = [&ended](const api::RequestOutput& o) {
+    if (o.finished) ended.output = o;
+  };
+  engine->submit(std::move(r));
+  for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
+  EXPECT_EQ(fake->fetches.size(), 1u) << "the leg never started its pull";
+  if (fake->fetches.empty()) return ended;
+  fake->fetches[0](result);
+  for (int i = 0; i < 10 && !ended.output.finished; ++i) engine->run_once();
+  EXPECT_TRUE(ended.output.finished);
+  ended.releases = fake->releases;
+  engine->stop();
+  return ended;
+}
+
+KvFetchResult failed(const std::string& error) {
+  KvFetchResult r;
+  r.error = error;
+  return r;
+}
+
+// Every connection the prefill engine allows was in use: the engine is full for now (503), and
+// the KV is still held there, so the code tells the gateway to send the decode leg again with the
+// same kv_transfer_params after a short wait, and nothing releases the hold. It was a code-less
+// 502, which the gateway counted against this engine and answered by prefilling the prompt again.
+TEST(KvPullRefusal, APrefillEngineBusyForNowIsA503KvTransferBusyAndKeepsTheHold) {
+  KvFetchResult busy = failed("too many KV transfer connections from this address; try again");
+  busy.prefill_busy = true;
+  const PullEnded ended = end_a_pull_with(busy);
+  EXPECT_EQ(ended.output.finish_reason, "error");
+  EXPECT_EQ(ended.output.error_status, 503);
+  EXPECT_EQ(ended.output.error_code, api::kKvTransferBusyCode);
+  EXPECT_NE(ended.output.error.find("try again"), std::string::npos) << ended.output.error;
+  EXPECT_TRUE(ended.releases.empty()) << "the hold a retry pulls was released";
+}
+
+}  // namespace
+}  // namespace tandem::engine
