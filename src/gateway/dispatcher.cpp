@@ -539,7 +539,11 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     // or its client leave.
     const bool kv_source_failed = leg->kv_transfer_failed && !cancelled && kv_source >= 0;
     LegOutcome outcome = LegOutcome::kOk;
-    if (leg->status == 429 || leg->status == 503) {
+    if (leg->kv_transfer_busy) {
+      // Its prefill engine had no transfer connection free for now (a 503 of its own engine's,
+      // but no sign that engine is busy): neither engine's success nor failure.
+      outcome = LegOutcome::kCancelled;
+    } else if (leg->status == 429 || leg->status == 503) {
       outcome = LegOutcome::kBusy;
     } else if (fault) {
       std::lock_guard lock(r->mutex);  // cancel_reason: set by the deadline timer
@@ -682,7 +686,9 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // retried alike, and once retries are spent answered with its own status. An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
-// another decode engine with the same kv_transfer_params (its KV is known to be held still); any
+// another decode engine with the same kv_transfer_params (its KV is known to be held still); one
+// whose prefill engine refused the pull for now (kNoEngineKvBusy) goes again with them too, to any
+// decode engine, after the topology's retry_backoff (each such retry spends one all the same); any
 // other failure of it before the client got anything (its engine died or hung, could not take the
 // KV from the prefill engine (kPrefillEngine), or found it gone there (kNoEngineKvGone)) starts
 // the request again from the prefill, as parallel mode retries its pair.
@@ -713,11 +719,17 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     metrics_.retries.inc();
     // r->prefill_endpoint is this attempt's: the next one has not started.
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
-    if (blame != Blame::kNoEngineKvGone)
+    if (blame != Blame::kNoEngineKvGone && blame != Blame::kNoEngineKvBusy)
       r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
     // The same KV for another decode engine (waiting to decode again), or the request from its
     // start (which sets no decode room aside until it is prefilled again): a decode leg that
     // reached its engine may have taken the KV, which then is that engine's to hold or free.
+    if (sequential_decode && blame == Blame::kNoEngineKvBusy) {
+      // At once, it would find the prefill engine's transfer connections as busy.
+      reserve_decode(*r, r->prefill_group);
+      enqueue_after_backoff(r);
+      return;
+    }
     if (sequential_decode && blame == Blame::kItsEngineUnreached) {
       reserve_decode(*r, r->prefill_group);
     } else {
@@ -751,6 +763,19 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     }
   }
   end_request(r, {status, message});
+}
+
+void Dispatcher::enqueue_after_backoff(const RequestPtr& r) {
+  const auto due = std::min(exec_.now() + topo_.retry_backoff.before(r->attempt),
+                            r->kv_held_since + topo_.timeouts.decode_queue);
+  // Weak: the timer must not keep a request that ended meanwhile alive (finished() accounted for
+  // it, and let go of its KV).
+  exec_.at(due, [this, weak = std::weak_ptr<Request>(r), attempt = r->attempt] {
+    const RequestPtr r = weak.lock();
+    if (!r || r->attempt != attempt || r->booking != Booking::kRunning || r->ended()) return;
+    enqueue(r, true);
+    dispatch();
+  });
 }
 
 void Dispatcher::cancel_calls(const std::vector<Upstream::CallId>& calls) {

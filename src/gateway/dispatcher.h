@@ -117,6 +117,10 @@ class Dispatcher {
     // No engine: the prefill engine no longer held the prompt's KV when the decode engine came
     // for it (Leg::kv_expired). The request starts again from its prefill, avoiding no engine.
     kNoEngineKvGone,
+    // No engine: the prefill engine refused the decode engine's pull for now, its KV transfer
+    // connections all in use (Leg::kv_transfer_busy). The KV is still held there: a decode leg
+    // goes again with it after the topology's retry_backoff, avoiding no engine.
+    kNoEngineKvBusy,
   };
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
   // retries remain (avoiding the engine `blame` names; a sequential decode leg that reached its
@@ -173,6 +177,10 @@ class Dispatcher {
   void leg_done(const Leg& leg, LegOutcome outcome);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message, Blame blame);
+  // Sequential mode, a decode stage whose prefill engine refused the pull for now: it joins the
+  // queue again (first in line) after the backoff of the request's retry, never later than its
+  // KV's hold allows (timeouts.decode_queue_ms), unless it ended meanwhile.
+  void enqueue_after_backoff(const RequestPtr& r);
   // A decode leg sent at `since` could not take its KV from this prefill engine: its failure, for
   // the policy and its health, as a timed-out leg of its own would be (overload if it passed a
   // health probe since).

@@ -342,7 +342,8 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     l.state = LegState::kFinished;
     // Read with the state by whoever ends the request (Dispatcher::release_unclaimed_kv).
     l.left_kv_untaken = !streamed && (l.never_connected || refused_unread(l.status) ||
-                                      error_code == api::kKvTransferFailedCode);
+                                      error_code == api::kKvTransferFailedCode ||
+                                      error_code == api::kKvTransferBusyCode);
     if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
     reason = l.cancel_reason.empty() ? error : l.cancel_reason;
   }
@@ -425,13 +426,16 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
   }
   // A decode engine that could not take the prompt's KV from its prefill engine says so in the
   // code of its error (an error status, or a stream's first event): that engine failed, or (the
-  // KV was gone there) no engine did.
+  // KV was gone there, or the engine had no transfer connection free for now) no engine did.
   auto blame = [&] {
     if (topo_.mode == PdMode::kAggregated) return Dispatcher::Blame::kItsEngine;
     l.kv_transfer_failed = error_code == api::kKvTransferFailedCode;
     l.kv_expired = error_code == api::kKvTransferExpiredCode;
+    l.kv_transfer_busy =
+        topo_.mode == PdMode::kSequential && error_code == api::kKvTransferBusyCode;
     if (l.kv_transfer_failed) return Dispatcher::Blame::kPrefillEngine;
     if (l.kv_expired) return Dispatcher::Blame::kNoEngineKvGone;
+    if (l.kv_transfer_busy) return Dispatcher::Blame::kNoEngineKvBusy;
     return Dispatcher::Blame::kItsEngine;
   };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error

@@ -73,6 +73,10 @@ struct Leg {
   // A sequential decode leg failed because its prefill engine no longer held the prompt's KV
   // (api::kKvTransferExpiredCode): neither engine's failure; the prompt is prefilled again.
   bool kv_expired = false;
+  // A sequential decode leg failed because its prefill engine refused the pull for now, its KV
+  // transfer connections all in use (api::kKvTransferBusyCode): neither engine's failure; the KV
+  // is still held there, for a decode leg sent again after a backoff (Topology::retry_backoff).
+  bool kv_transfer_busy = false;
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;

@@ -506,6 +506,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                                "max_queue",
                                "max_answer_bytes",
                                "prefill_retries",
+                               "retry_backoff_ms",
+                               "retry_backoff_max_ms",
                                "policy",
                                "scheduling",
                                "access_log",
@@ -588,6 +590,10 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   if (has("prefill_retries"))
     t.prefill_retries = static_cast<int>(r.integer(keys.at("prefill_retries"), "prefill_retries", 0,
                                                    kMaxPrefillRetries, retries_expected()));
+  if (has("retry_backoff_ms"))
+    t.retry_backoff.first = r.milliseconds(keys.at("retry_backoff_ms"), "retry_backoff_ms");
+  if (has("retry_backoff_max_ms"))
+    t.retry_backoff.max = r.milliseconds(keys.at("retry_backoff_max_ms"), "retry_backoff_max_ms");
   if (has("access_log"))
     t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
                                                   "a file path or \"-\" (standard output)"));
@@ -699,6 +705,12 @@ void check_groups(const Pool& from, const std::string& from_path, const Pool& ot
 }
 
 }  // namespace
+
+std::chrono::milliseconds RetryBackoff::before(int retry) const {
+  // Past 2^20 times `first` every wait is `max` (durations are at most 2^31 - 1 ms): no overflow.
+  const int doublings = std::clamp(retry - 1, 0, 20);
+  return std::min(first * (int64_t{1} << doublings), max);
+}
 
 Endpoint parse_endpoint(const std::string& text) {
   return parse_endpoint_as(text, "endpoint");
@@ -835,6 +847,13 @@ void validate(Topology& t) {
   if (t.prefill_retries < 0 || t.prefill_retries > kMaxPrefillRetries)
     invalid("prefill_retries", retries_expected(), std::to_string(t.prefill_retries));
   // Every duration, also of topologies built from flags or in code: each ends up in a timer.
+  check_duration(t.retry_backoff.first, "retry_backoff_ms");
+  check_duration(t.retry_backoff.max, "retry_backoff_max_ms");
+  if (t.retry_backoff.max < t.retry_backoff.first)
+    invalid(
+        "retry_backoff_max_ms",
+        "a duration >= retry_backoff_ms (" + std::to_string(t.retry_backoff.first.count()) + " ms)",
+        std::to_string(t.retry_backoff.max.count()));
   check_duration(t.health.probe_interval, "health.probe_interval_ms");
   check_duration(t.health.probe_timeout, "health.probe_timeout_ms");
   check_duration(t.health.slow_start, "health.slow_start_ms", 0);

@@ -92,6 +92,19 @@ struct Timeouts {
   std::chrono::milliseconds decode_queue = std::chrono::seconds(90);
 };
 
+// The wait before a sequential decode leg goes again after its prefill engine refused the pull
+// for now (api::kKvTransferBusyCode: every KV transfer connection it allows was in use): an
+// immediate retry would meet the same limit. `first` before the request's first retry, doubled
+// for each retry after, at most `max` (Envoy's retry back-off: base and max interval). The file's
+// `retry_backoff_ms` and `retry_backoff_max_ms`.
+struct RetryBackoff {
+  std::chrono::milliseconds first{50};
+  std::chrono::milliseconds max{1000};
+
+  // Before the request's retry number `retry` (1 for its first).
+  std::chrono::milliseconds before(int retry) const;
+};
+
 // Priority classes (docs/gateway.md, "Priority classes"): requests are queued by class, first
 // class first, then by the queue's rule; each class has its own starvation bound.
 struct PriorityClass {
@@ -170,6 +183,7 @@ struct Topology {
   size_t max_answer_bytes = size_t{64} << 20;
   // Other prefill engines tried when one fails before any byte; 0 to kMaxPrefillRetries.
   int prefill_retries = 2;
+  RetryBackoff retry_backoff;
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
   // kv_router. Checked when the gateway is built.
   std::string policy = "tandem";

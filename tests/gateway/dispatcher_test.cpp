@@ -1920,6 +1920,165 @@ TEST(Dispatcher, ADecodeStageWaitsNoLongerThanThePrefillEngineHoldsItsKv) {
   EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
 }
 
+// ------------------------------------------------ a prefill engine whose transfer connections are
+// busy
+
+// A decode engine whose pull its prefill engine refused for now (every KV transfer connection it
+// allows was in use) says so with code kv_transfer_busy: the KV is still held there, and no
+// engine failed.
+std::string kv_transfer_busy_answer() {
+  return api::openai_error_body(
+      "generation failed: KV transfer from the prefill engine at 10.0.0.1:8998 refused: all 4 "
+      "transfer connections are in use",
+      "server_error", api::kKvTransferBusyCode);
+}
+
+// The decode leg `call` answers kv_transfer_busy: as a 503 error, or in a stream's first event.
+void answer_kv_transfer_busy(FakeEngines::Call& call, bool stream) {
+  if (stream) {
+    FakeEngines::head(call, 200, "text/event-stream");
+    FakeEngines::piece(call, "data: " + kv_transfer_busy_answer() + "\n\ndata: [DONE]\n\n");
+    FakeEngines::finish(call, "");
+  } else {
+    FakeEngines::answer(call, 503, kv_transfer_busy_answer());
+  }
+}
+
+// A decode leg answered kv_transfer_busy is sent again, with the same kv_transfer_params (no
+// prefill runs again), once the topology's retry_backoff_ms has passed: the prefill engine needs
+// a transfer connection to free up, and an immediate retry would meet the same limit. Neither
+// engine is blamed or avoided (the one decode engine takes the retry). It was answered as the
+// decode engine's failure: a retry from the prefill avoiding that engine (none left here: 503),
+// which counted the refusal against it.
+TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBackoff) {
+  for (const bool stream : {false, true}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+    t.prefill.dialect = Dialect::kTandem;
+    t.health.failures_to_eject = 1;
+    t.retry_backoff.first = milliseconds(40);
+    Cluster c(t);
+    auto client = c.send(stream);
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u);
+    ASSERT_EQ(host_of(*decode[0]), "d");
+    const json first_params = json::parse(decode[0]->request.body)["kv_transfer_params"];
+    ASSERT_EQ(first_params, kHeldKv);
+    answer_kv_transfer_busy(*decode[0], stream);
+    c.clock.run_ready();
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent again at once: " << stream;
+    c.clock.advance_by(milliseconds(39));
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << stream;
+    EXPECT_FALSE(client->complete()) << stream;
+    c.clock.advance_by(milliseconds(1));
+    auto again = c.engines.open("/v1/completions");
+    ASSERT_EQ(again.size(), 1u) << stream;
+    EXPECT_EQ(host_of(*again[0]), "d") << stream;
+    EXPECT_EQ(json::parse(again[0]->request.body)["kv_transfer_params"], first_params) << stream;
+    EXPECT_EQ(c.engines.all("/v1/completions").size(), 3u) << "one prefill leg only: " << stream;
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1) << stream;
+    for (const char* name : {"p", "d"}) {
+      EXPECT_EQ(c.endpoint(name)["consecutive_failures"], 0) << name << " " << stream;
+      EXPECT_EQ(c.endpoint(name)["healthy"], true) << name << " " << stream;
+    }
+    if (stream) {
+      FakeEngines::head(*again[0], 200, "text/event-stream");
+      FakeEngines::piece(*again[0], "data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n");
+      FakeEngines::finish(*again[0], "");
+      c.clock.run_ready();
+    } else {
+      c.answer_all("decoded");
+    }
+    EXPECT_EQ(client->status, 200) << stream;
+    EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << "d took the KV: " << stream;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << stream;
+  }
+}
+
+// Each retry of the request waits twice as long as the one before, up to retry_backoff_max_ms;
+// the refusals still spend retries (prefill_retries): once they are spent, the client gets the
+// engine's 503 and the prefill engine is told to let go of the KV that no decode engine took.
+TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyAndWhenSpentTheKvIsLetGo) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  t.prefill_retries = 3;
+  t.retry_backoff.first = milliseconds(10);
+  t.retry_backoff.max = milliseconds(30);
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  // Before each retry: 10, 20, then 30 (40 capped).
+  for (const int wait : {10, 20, 30}) {
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << wait;
+    answer_kv_transfer_busy(*decode[0], false);
+    c.clock.run_ready();
+    c.clock.advance_by(milliseconds(wait - 1));
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << wait;
+    c.clock.advance_by(milliseconds(1));
+  }
+  auto last = c.engines.open("/v1/completions");
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty());
+  answer_kv_transfer_busy(*last[0], false);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 503);
+  EXPECT_EQ(client->body, kv_transfer_busy_answer());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 3);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 5u) << "one prefill, four decode legs";
+  const auto releases = c.engines.all("/v1/kv_transfer/release");
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(host_of(*releases[0]), "p");
+  EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A client that leaves while its decode stage waits out the backoff ends there: its KV is let
+// go of, and no decode leg is sent when the wait is over.
+TEST(Dispatcher, AClientThatLeavesDuringTheBusyBackoffHasItsKvLetGo) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  answer_kv_transfer_busy(*c.engines.open("/v1/completions").at(0), false);
+  c.clock.run_ready();
+  client->leave();
+  c.clock.run_ready();
+  EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+  c.clock.advance_by(t.retry_backoff.max);
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+}
+
+// The backoff's settings in a topology file: checked, each error naming its field.
+TEST(Topology, RetryBackoffIsReadFromTheFileAndChecked) {
+  const std::string pools =
+      "mode: sequential\nprefill: {dialect: tandem, endpoints: [p:1]}\n"
+      "decode: {dialect: tandem, endpoints: [d:1]}\n";
+  const Topology defaults = parse_topology_yaml(pools, "t.yaml");
+  EXPECT_EQ(defaults.retry_backoff.first, milliseconds(50));
+  EXPECT_EQ(defaults.retry_backoff.max, milliseconds(1000));
+  const Topology set =
+      parse_topology_yaml(pools + "retry_backoff_ms: 20\nretry_backoff_max_ms: 200\n", "t.yaml");
+  EXPECT_EQ(set.retry_backoff.first, milliseconds(20));
+  EXPECT_EQ(set.retry_backoff.max, milliseconds(200));
+  auto error = [&](const std::string& extra) {
+    try {
+      parse_topology_yaml(pools + extra, "t.yaml");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(error("retry_backoff_ms: 0\n"), testing::HasSubstr("retry_backoff_ms: expected"));
+  EXPECT_THAT(error("retry_backoff_ms: soon\n"), testing::HasSubstr("retry_backoff_ms"));
+  EXPECT_THAT(error("retry_backoff_ms: 2000\n"),
+              testing::HasSubstr("retry_backoff_max_ms: expected a duration >= retry_backoff_ms "
+                                 "(2000 ms), got 1000"));
+}
+
 // ------------------------------------------------ releasing prefill KV no decode engine took
 
 // Sequential mode over Tandem prefill engines (which have POST /v1/kv_transfer/release): two
