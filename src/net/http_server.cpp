@@ -12,10 +12,12 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <vector>
 
+#include "net/body_read_deadline.h"
 #include "net/byte_buffer.h"
 #include "net/event_loop.h"
 #include "net/http_wire.h"
@@ -544,10 +546,12 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   bool want_write_ = false;
 
   // On the loop's clock (EventLoop::now_ms), 0 when not running. The read deadline bounds the
-  // request being read, its head and then its body, and keeps running while something is written
-  // meanwhile (a 100 Continue that had to wait): a write must neither suspend nor lift it. The
-  // write deadline runs while output waits for the client, from its last progress.
+  // request being read: its head from its first byte, then its body by body_deadline_ (moved on
+  // by each read that brings body bytes). It keeps running while something is written meanwhile
+  // (a 100 Continue that had to wait): a write must neither suspend nor lift it. The write
+  // deadline runs while output waits for the client, from its last progress.
   int64_t read_deadline_ = 0;
+  std::optional<BodyReadDeadline> body_deadline_;  // while a body is read
   int64_t write_deadline_ = 0;
   Timer timer_;
   std::string remote_address_;
@@ -671,6 +675,11 @@ void Connection::process() {
         Parse r = body_parser_.feed(in_.view(), used, request_.body, error_);
         in_.consume(used);
         if (r == Parse::kError) return fail_request(error_);
+        if (used > 0) {
+          body_deadline_->received(loop_.now_ms(), used);
+          read_deadline_ = body_deadline_->due_ms();
+          arm_deadlines();  // a later deadline costs the timer nothing (EventLoop::timer_arm)
+        }
         if (r == Parse::kNeedMore) {
           if (read_paused_) break;  // more is waiting in the kernel
           if (peer_eof_) return close_now();
@@ -730,7 +739,8 @@ void Connection::begin_request() {
   }
   body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
   phase_ = Phase::kBody;
-  read_deadline_ = loop_.now_ms() + options.read_timeout.count();
+  body_deadline_.emplace(loop_.now_ms(), options.read_timeout, options.min_body_bytes_per_second);
+  read_deadline_ = body_deadline_->due_ms();
   arm_deadlines();
   if (head_.expect_continue && !body_parser_.done() && in_.empty()) {
     out_ += "HTTP/1.1 100 Continue\r\n\r\n";
@@ -742,6 +752,7 @@ void Connection::dispatch() {
   phase_ = Phase::kExchange;
   request_started_ = false;
   read_deadline_ = 0;
+  body_deadline_.reset();
   arm_deadlines();  // no timeout while the server waits for its handler, unless it writes
   const bool keep_alive = head_.keep_alive && !server_.stopping();
   exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
@@ -859,6 +870,7 @@ void Connection::arm_deadlines() {
 
 void Connection::fail_request(const ParseError& error) {
   request_started_ = false;
+  body_deadline_.reset();
   phase_ = Phase::kErrorSent;
   append_error(out_, server_.options().error_response, error.status, error.message, true, false);
   read_deadline_ = 0;
@@ -899,7 +911,19 @@ void Connection::close_gracefully() {
 void Connection::on_timer() {
   // One timer, whose meaning follows the phase: a stalled write, an idle keep-alive connection,
   // a request that does not arrive in time (either, whichever is due first: arm_deadlines), or
-  // the end of the drain. Each closes the connection.
+  // the end of the drain. A body that does not arrive in time is answered 408, so that its
+  // client learns why (its head was a request; a head that stalls gets nothing: slowloris);
+  // every other case closes the connection.
+  if (phase_ == Phase::kBody && read_deadline_ != 0 && read_deadline_ <= loop_.now_ms()) {
+    const HttpServerOptions& options = server_.options();
+    std::string message = "the request body did not arrive in time: each part must come within " +
+                          std::to_string(options.read_timeout.count()) + " ms of the last";
+    if (options.min_body_bytes_per_second > 0) {
+      message += ", and the whole at " + std::to_string(options.min_body_bytes_per_second) +
+                 " bytes per second or more on average";
+    }
+    return fail_request(ParseError{408, std::move(message)});
+  }
   if (exchange_) exchange_->lose();
   close_now();
 }

@@ -106,10 +106,20 @@ struct HttpServerOptions {
   // A request's head must arrive completely within this time of its first byte, so that a client
   // sending its head a byte at a time (slowloris) cannot hold a connection for long.
   std::chrono::milliseconds header_timeout = std::chrono::seconds(10);
-  // A request's body, once its head arrived, must be read completely within this time, also while
-  // a 100 Continue waits to be written: a bound on the whole body, so that a client sending it
-  // slowly (or not at all) cannot hold a connection for long.
+  // A request's body, once its head arrived, must make progress within this time of its head and
+  // then of each read that brought body bytes (between two successive reads, as nginx's
+  // client_body_timeout), also while a 100 Continue waits to be written. A client that uploads
+  // slowly but steadily gets its whole body in, however long it takes; one whose body stops is
+  // answered 408 (error_response) and closed. The head is bound by header_timeout and by this
+  // time from its first byte, whichever is shorter, and closed without an answer.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
+  // The least average rate of a body: it must be complete within read_timeout of its head plus
+  // one second per this many bytes received (as Apache's mod_reqtimeout MinRate), else 408. So a
+  // client that sends a byte within every read_timeout cannot hold a connection, and the body
+  // buffer it reserved, for ever. 4 KiB/s is below any working link (GPRS is about 5 KB/s), and
+  // to keep a connection for the longest an 8 MiB body allows (34 minutes) a client must send all
+  // of it. 0: no least rate (only read_timeout between reads).
+  size_t min_body_bytes_per_second = 4096;
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
   // While output waits for the client, each send must make progress within this time of the

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "api/error.h"
+#include "net/body_read_deadline.h"
 #include "net/http_client.h"
 #include "net/sse.h"
 #include "util/bounded_wait.h"
@@ -807,8 +808,8 @@ TEST(HttpServer, AClientThatClosesWithMoreThanAHeadPipelinedIsSeenGone) {
 
 // An `Expect: 100-continue` whose interim answer cannot be written at once (the connection's send
 // side is full, as when the client has not read for a while) must not lift the body's deadline:
-// once the 100 is written, a client that never sends the body is still closed within read_timeout
-// of the head, not slow.held for ever.
+// once the 100 is written, a client that never sends the body is still answered 408 and closed
+// within read_timeout of the head, not held for ever.
 TEST(HttpServer, ABodyAfterAnInterimAnswerThatWaitedIsStillBoundByTheReadTimeout) {
   HttpServerOptions options = local_options();
   options.read_timeout = 3s;  // room to fill the server's side, then to read it
@@ -845,8 +846,11 @@ TEST(HttpServer, ABodyAfterAnInterimAnswerThatWaitedIsStillBoundByTheReadTimeout
   ASSERT_EQ(status_of(barrier.read_all()), 405);
   std::string got;
   ASSERT_TRUE(c.read_until(got, "HTTP/1.1 100 Continue\r\n\r\n"));
-  // No body: the server closes (RawConnection's own 10 s read timeout would leave eof() false).
-  EXPECT_EQ(c.read_all(), "");
+  // No body: the server answers 408 and closes (RawConnection's own 10 s read timeout would
+  // leave eof() false).
+  const std::string rest =
+      got.substr(got.find("HTTP/1.1 100 Continue\r\n\r\n") + 25) + c.read_all();
+  EXPECT_EQ(status_of(rest), 408) << rest;
   EXPECT_TRUE(c.eof());
   EXPECT_EQ(calls.load(), 0);
 }
@@ -1321,7 +1325,9 @@ TEST(HttpServer, RequestsBufferedBeforeTheClientHalfClosesAreAllAnswered) {
   EXPECT_EQ(body_of(raw.substr(second)), "second");
 }
 
-TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
+// A body that stops arriving is answered 408 (the server's error body) and closed, as nginx's
+// client_body_timeout does: the client learns why, instead of a bare close (a broken pipe).
+TEST(HttpServer, AStalledBodyIsAnswered408AfterTheReadTimeout) {
   HttpServerOptions options = local_options();
   options.read_timeout = 50ms;
   HttpServer server(options);
@@ -1329,9 +1335,121 @@ TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
   count_posts_to_x(server, calls);
   RawConnection c(server.port());
   c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc");  // 7 bytes never come
+  const std::string raw = c.read_all();
+  EXPECT_TRUE(c.eof());
+  EXPECT_EQ(status_of(raw), 408) << raw;
+  EXPECT_NE(raw.find("Connection: close\r\n"), std::string::npos) << raw;
+  expect_openai_error(body_of(raw), "invalid_request_error");
+  EXPECT_EQ(calls.load(), 0);
+}
+
+// A head that stops arriving is closed without an answer, as before (slowloris: nothing is
+// written to a client that never sent a request).
+TEST(HttpServer, AStalledHeadIsClosedWithoutAnAnswer) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 50ms;
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\n");
   EXPECT_EQ(c.read_all(), "");
   EXPECT_TRUE(c.eof());
   EXPECT_EQ(calls.load(), 0);
+}
+
+// The read timeout runs between reads of the body that make progress (nginx's
+// client_body_timeout), not over the whole body: a client that uploads slowly but steadily gets
+// a body in that takes it several read timeouts to send.
+TEST(HttpServer, ASlowButSteadyUploadTakesLongerThanTheReadTimeout) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 250ms;
+  HttpServer server(options);
+  std::promise<size_t> got;
+  server.route("POST", "/x", [&](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+    got.set_value(request.body.size());
+    ex->respond(200, "{}");
+  });
+  server.start();
+  const size_t piece = 2048, pieces = 20;
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: " +
+         std::to_string(piece * pieces) + "\r\n\r\n");
+  // A piece per 40 ms: the body takes 800 ms or more, three read timeouts, while each piece
+  // comes well within one.
+  for (size_t i = 0; i < pieces; ++i) {
+    std::this_thread::sleep_for(40ms);
+    c.send(std::string(piece, 'b'));
+  }
+  const std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 200) << raw;
+  auto size = got.get_future();
+  EXPECT_EQ(get_within(size), piece * pieces);
+}
+
+// A client that sends a byte within every read timeout, but far below the least average rate
+// (HttpServerOptions::min_body_bytes_per_second), is answered 408 all the same: it cannot hold a
+// connection for ever.
+TEST(HttpServer, ABodyDrippedBelowTheLeastRateIsAnswered408) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 200ms;
+  options.min_body_bytes_per_second = 1000;  // a byte earns 1 ms
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n");
+  // A byte per 20 ms, well within the read timeout, until the server answers: 200 ms plus a
+  // millisecond per byte is spent after about ten bytes. 500 bytes would take 10 s.
+  std::string raw;
+  char buf[4096];
+  for (int i = 0; i < 500 && raw.find("\r\n\r\n") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(20ms);
+    if (::send(c.fd(), "b", 1, MSG_NOSIGNAL) != 1) break;
+    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
+  }
+  raw += c.read_all();
+  EXPECT_EQ(status_of(raw), 408) << raw;
+  expect_openai_error(body_of(raw), "invalid_request_error");
+  EXPECT_EQ(calls.load(), 0);
+}
+
+// The policy itself, on a clock of numbers (milliseconds).
+TEST(BodyReadDeadline, ABodyWithNoBytesIsDueOneTimeoutAfterItsHead) {
+  detail::BodyReadDeadline d(1000, 30s, 4096);
+  EXPECT_EQ(d.due_ms(), 31000);
+  d.received(20000, 0);  // a read that made no progress extends nothing
+  EXPECT_EQ(d.due_ms(), 31000);
+}
+
+TEST(BodyReadDeadline, ASteadySlowUploadNeverFallsDueThoughItTakesLongerThanTheTimeout) {
+  // The user trial's client: 1 MB at 25 KB/s, 40 s, past the 30 s that once bounded the whole.
+  detail::BodyReadDeadline d(0, 30s, 4096);
+  int64_t now = 0;
+  for (int second = 1; second <= 40; ++second) {
+    now = second * 1000;
+    ASSERT_LT(now, d.due_ms()) << "at " << second << " s";
+    d.received(now, 25000);
+  }
+  EXPECT_GT(now, 30000);
+  // It stops: due one timeout after the last bytes.
+  EXPECT_EQ(d.due_ms(), now + 30000);
+}
+
+TEST(BodyReadDeadline, ADripWithinEveryTimeoutIsDueByTheLeastAverageRate) {
+  // A byte every 29 s never misses the timeout between reads, but earns only 1/4096 s each.
+  detail::BodyReadDeadline d(0, 30s, 4096);
+  d.received(29000, 1);
+  EXPECT_EQ(d.due_ms(), 30000);
+  // 4096 bytes earn one second more.
+  d.received(29500, 4095);
+  EXPECT_EQ(d.due_ms(), 31000);
+}
+
+TEST(BodyReadDeadline, WithoutALeastRateOnlyTheTimeBetweenReadsCounts) {
+  detail::BodyReadDeadline d(0, 30s, 0);
+  d.received(29000, 1);
+  EXPECT_EQ(d.due_ms(), 59000);
 }
 
 TEST(HttpServer, ResponseHeadersCannotInjectLines) {
