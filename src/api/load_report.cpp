@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -33,6 +35,19 @@ double non_negative_field(const json& j, const char* key, const char* expected) 
 }
 
 }  // namespace
+
+const std::string& this_process_instance() {
+  static const std::string instance = [] {
+    // Drawn, not derived from the clock or the pid: engines started together on several hosts
+    // (or in containers, where each has pid 1) must not share one.
+    std::random_device device;
+    const uint64_t n = (uint64_t(device()) << 32) ^ uint64_t(device());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(n));
+    return std::string(hex);
+  }();
+  return instance;
+}
 
 bool describes_an_engine(const LoadReport& r) {
   return r.total_blocks > 0 && r.block_size > 0;
@@ -97,6 +112,7 @@ class ReportWriter {
     integer(v);
     out_ += ',';
   }
+  void string(const std::string& s) { out_ += json(s).dump(); }
   std::string take() { return std::move(out_); }
 
  private:
@@ -108,6 +124,11 @@ class ReportWriter {
 std::string to_json(const LoadReport& r, uint64_t since_step) {
   ReportWriter w;
   w.raw("{");
+  if (!r.instance.empty()) {
+    w.key("instance");
+    w.string(r.instance);
+    w.raw(",");
+  }
   w.field("running", r.running);
   w.field("waiting", r.waiting);
   w.field("free_blocks", r.free_blocks);
@@ -171,6 +192,11 @@ LoadReport parse_load_report(std::string_view body) {
   }
   if (!j.is_object()) throw Error("/load: expected a JSON object");
   LoadReport r;
+  if (const auto instance = j.find("instance"); instance != j.end() && !instance->is_null()) {
+    if (!instance->is_string())
+      throw Error("/load: instance: expected a string, got " + instance->dump());
+    r.instance = instance->get<std::string>();
+  }
   r.running = count_field(j, "running", 0);
   r.waiting = count_field(j, "waiting", 0);
   r.free_blocks = count_field(j, "free_blocks", 0);

@@ -21,6 +21,10 @@ struct StepRecord {
 
 struct LoadReport {
   static constexpr size_t kRecentSteps = 32;  // how many steps an engine reports
+  // The engine process that wrote it (this_process_instance()); empty: not reported (an engine
+  // that predates the field, another server). A different one means the engine restarted, even
+  // when the new process has already run more steps than the old one had.
+  std::string instance;
   int64_t running = 0, waiting = 0;
   int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
   int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
@@ -39,6 +43,10 @@ struct LoadReport {
   double step_running_for_s = 0;
   std::vector<StepRecord> recent_steps;  // oldest first
 };
+
+// This process's identity for its /load reports: 16 lowercase hex digits of a random 64-bit
+// number drawn (std::random_device) on the first call and the same for the process's life.
+const std::string& this_process_instance();
 
 // The gateway's poll asks only for the steps it has not seen: GET /load?since_step=N (docs/
 // gateway.md). An engine answers with its recent steps after step N, or all of them when N is

@@ -356,6 +356,7 @@ uint16_t ApiServer::port() const {
 
 api::LoadReport ApiServer::load() const {
   api::LoadReport report = engine_.load();
+  report.instance = api::this_process_instance();
   report.waiting += unprepared_->requests.load();
   report.prefill_tokens += unprepared_->tokens.load();
   if (report.prefill_pairs >= 0) report.prefill_pairs += unprepared_->pairs.load();

@@ -402,7 +402,7 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
   }
   e->load_source = LoadSource::kReports;
   if (reports_a_restart(e->load, answer.report))
-    forget_cached_prefixes(*e, "restarted (its load report's steps went back)");
+    forget_cached_prefixes(*e, "restarted (its load report shows another process)");
   e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
                    topo_.scheduling.tandem.prior);
   e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;

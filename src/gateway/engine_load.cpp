@@ -6,6 +6,9 @@
 namespace tandem::gateway {
 bool reports_a_restart(const EngineLoadState& state, const LoadReport& report) {
   if (!state.known) return false;
+  // Another process, however many steps it has run; a report that names none after one that did
+  // (or the other way round) comes from another server at the address.
+  if (report.instance != state.report.instance) return true;
   // The step count says it even when the new process has run no step yet (and lists none).
   if (report.steps < state.report.steps) return true;
   return !report.recent_steps.empty() && report.recent_steps.back().index < state.last_step;

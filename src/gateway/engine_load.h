@@ -37,14 +37,15 @@ struct EngineLoadState {
   BatchTimeEstimator batch_time;
 };
 
-// Whether `report` comes from another process than the reports before it: one process's step
-// count and step indices only grow, so either going back means the engine restarted, with an
-// empty prefix cache and a new step history. (A restart whose new process has already run more
-// steps than the old one had cannot be told this way. An engine ejected while it restarted is
-// polled while ejected, so its first report usually shows it before its readmission; a request
-// routed between its readmission and its next report may still follow its old prefixes, which
-// costs a prefill, never a wrong answer. Only an engine whose reports cannot tell is taken as
-// restarted on readmission, endpoints.h.)
+// Whether `report` comes from another process than the reports before it, which restarted with an
+// empty prefix cache and a new step history: it names another process `instance` (a Tandem engine
+// names its own in each report, however many steps the new process has run), or its step count or
+// step indices went back (one process's only grow; the only sign from an engine that names no
+// instance, which cannot show a restart whose new process has already run more steps than the old
+// one had). An engine ejected while it restarted is polled while ejected, so its first report
+// usually shows it before its readmission; a request routed between its readmission and its next
+// report may still follow its old prefixes, which costs a prefill, never a wrong answer. Only an
+// engine whose reports cannot tell is taken as restarted on readmission, endpoints.h.
 bool reports_a_restart(const EngineLoadState& state, const LoadReport& report);
 
 // The state after a report: its steps newer than `last_step` become batch-time observations (a

@@ -139,6 +139,8 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
     const bool in_step = phase_ == Phase::kEnding && step_load_;
     engine::LoadReport r = in_step ? engine_->with_incoming(*step_load_) : engine_->load();
     if (in_step) r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
+    // Its process is the simulator's, which no engine outlives (a killed one never comes back).
+    r.instance = api::this_process_instance();
     reply->respond(200, api::to_json(r, api::load_since_step(request.target)), "application/json");
     return;
   }

@@ -109,6 +109,24 @@ TEST(LoadReport, WhatTheEngineWritesReadsBackTheSame) {
   EXPECT_EQ(back.recent_steps[1].prefill_pairs, 0);
 }
 
+// The process instance reads back as written; a report without one (an engine that predates
+// the field) leaves it empty and writes none.
+TEST(LoadReport, TheProcessInstanceReadsBackAndIsOptional) {
+  LoadReport r;
+  r.instance = this_process_instance();
+  EXPECT_EQ(parse_load_report(to_json(r)).instance, r.instance);
+  EXPECT_EQ(parse_load_report(kReport).instance, "");
+  EXPECT_FALSE(nlohmann::json::parse(to_json(LoadReport{})).contains("instance"));
+  EXPECT_NE(error_of(R"({"instance":42})").find("instance"), std::string::npos);
+}
+
+TEST(LoadReport, ThisProcessInstanceIsSixteenHexDigitsThatStayTheSame) {
+  const std::string& instance = this_process_instance();
+  ASSERT_EQ(instance.size(), 16u);
+  EXPECT_EQ(instance.find_first_not_of("0123456789abcdef"), std::string::npos) << instance;
+  EXPECT_EQ(this_process_instance(), instance);
+}
+
 TEST(LoadReport, AnIdleEngineWritesNoStepAndUnreportedPairsStayUnreported) {
   LoadReport idle;
   const auto j = nlohmann::json::parse(to_json(idle));

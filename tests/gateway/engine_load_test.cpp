@@ -75,6 +75,37 @@ TEST(EngineLoad, AReportWhoseStepsWentBackIsARestart) {
   EXPECT_TRUE(reports_a_restart(uncounted, renumbered));
 }
 
+// A report naming another process instance is a restart whatever its steps say; the same
+// instance is judged by its steps, as is an engine that names none.
+TEST(EngineLoad, AReportOfAnotherInstanceIsARestart) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  LoadReport first = api::parse_load_report(kReport);
+  first.instance = "9f3c0a1b2c3d4e5f";
+  const EngineLoadState s = absorb({}, first, {}, t0, {});
+
+  LoadReport busier = first;  // the new process ran more steps than the old one had
+  busier.instance = "0123456789abcdef";
+  busier.steps = first.steps + 100;
+  busier.recent_steps = {{first.steps + 100, 1, 512, 0.1}};
+  EXPECT_TRUE(reports_a_restart(s, busier));
+  // Its steps are all learned: the ones numbered at or below the old process's last are new too.
+  busier.recent_steps = {{3, 1, 512, 0.1}, {first.steps + 100, 1, 512, 0.1}};
+  const EngineLoadState after = absorb(s, busier, {}, t0, {});
+  EXPECT_EQ(after.batch_time.observations, s.batch_time.observations + 2);
+
+  LoadReport same = busier;
+  same.instance = first.instance;
+  EXPECT_FALSE(reports_a_restart(s, same));
+  same.steps = 0;  // one process's steps do not go back; if they do, it is another
+  same.recent_steps.clear();
+  EXPECT_TRUE(reports_a_restart(s, same));
+
+  // A report without an instance after one with it comes from another server at the address.
+  LoadReport unnamed = busier;
+  unnamed.instance.clear();
+  EXPECT_TRUE(reports_a_restart(s, unnamed));
+}
+
 TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
   GatewayCounts counts;

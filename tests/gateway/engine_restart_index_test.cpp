@@ -168,6 +168,51 @@ TEST(EngineRestartIndex, ReportsOfTheSameProcessKeepTheEnginesCachedPrefixes) {
   EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
 }
 
+// A Tandem engine names its process in each report (`instance`): a restart shows even when the
+// new process has run more steps than the old one had by the next poll (a slow poll, a busy
+// engine), where its steps only went up.
+TEST(EngineRestartIndex, AReportOfAnotherInstanceDropsTheEnginesCachedPrefixes) {
+  Gateway g;
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  g.caches(g.b, ids);
+  LoadReport before = report_after(50), after = report_after(80);
+  before.instance = "9f3c0a1b2c3d4e5f";
+  after.instance = "0123456789abcdef";
+  g.report(g.a, before);
+  g.report(g.b, before);
+  ASSERT_EQ(g.cached_tokens(g.a, ids), 640);
+  g.report(g.a, after);
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
+  EXPECT_EQ(g.index.num_blocks(g.a), 0);
+  EXPECT_EQ(g.cached_tokens(g.b, ids), 640);
+}
+
+TEST(EngineRestartIndex, ReportsOfTheSameInstanceKeepTheEnginesCachedPrefixes) {
+  Gateway g;
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  for (uint64_t steps : {50, 50, 53, 400}) {
+    LoadReport r = report_after(steps);
+    r.instance = "9f3c0a1b2c3d4e5f";
+    g.report(g.a, r);
+  }
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
+}
+
+// An engine that names no instance (an older Tandem, another server) is judged by its steps
+// alone: going up is the same process, going back a restart.
+TEST(EngineRestartIndex, WithoutAnInstanceOnlyStepsThatWentBackShowARestart) {
+  Gateway g;
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  g.report(g.a, report_after(50));
+  g.report(g.a, report_after(80));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 640);
+  g.report(g.a, report_after(3));
+  EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
+}
+
 // Most ejections are no restart (one failed step's legs, probes timed out in a pause): an engine
 // whose load reports would show a restart keeps its cached prefixes when it is readmitted.
 TEST(EngineRestartIndex, AReportingEngineReadmittedAfterFailedLegsKeepsItsCachedPrefixes) {
