@@ -192,6 +192,10 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
     EndpointLoad l{e.id,        e.config.group,          can_serve(e, decoding),
                    e.in_flight, in_flight_limit(e, now), e.tokens_in_flight};
     fill_load(l, e.load, e.counts, now, max_age);
+    // Aggregated mode: the engine decodes its requests too, and those it has started running no
+    // longer wait in its prefill queue (EndpointLoad::queued_prefill_seqs).
+    if (topo_.mode == PdMode::kAggregated && l.running_seqs >= 0)
+      l.queued_prefill_seqs = std::max<int64_t>(l.in_flight - l.running_seqs, 0);
     l.recently_failed = state && recently_failed(*state, e.id, now);
     (e.prefill ? v.prefill : v.decode).push_back(l);
   }

@@ -143,7 +143,10 @@ void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, in
     if (e.running_seqs >= 0) ++e.running_seqs;
     if (e.context_tokens >= 0) e.context_tokens += request.prompt_tokens;
     // Aggregated mode: the decode engine prefills too.
-    if (prefill < 0) add_queued_prefill(e, request);
+    if (prefill < 0) {
+      add_queued_prefill(e, request);
+      if (e.queued_prefill_seqs >= 0) ++e.queued_prefill_seqs;
+    }
   }
 }
 

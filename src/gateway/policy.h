@@ -41,6 +41,12 @@ struct EndpointLoad {
   // The causal attention pairs of that queued work (api::causal_pairs), engine-reported; -1:
   // unknown (the cost then reads tokens only).
   int64_t queued_prefill_pairs = -1;
+  // Requests in flight there still to be prefilled, where the engine also decodes them (aggregated
+  // mode): those the engine has not started running (in_flight less its reported running
+  // sequences), so that requests already generating do not fill its prefill queue. -1: every
+  // request in flight counts (a prefill engine's are all prefill work; without a fresh report the
+  // gateway cannot tell).
+  int64_t queued_prefill_seqs = -1;
   int64_t running_seqs = -1;    // sequences the engine runs now (decode batch size)
   int64_t context_tokens = -1;  // tokens those sequences hold (prompt + generated)
   int64_t free_kv_blocks = -1;  // allocatable KV blocks (free or evictable), engine-reported
@@ -190,7 +196,9 @@ struct TandemOptions {
   int64_t max_batch_tokens = 2048;  // an engine's prefill tokens per batch, when it does not say
   // Overload: more queued prefill tokens (0: no limit); not on engines given deadlines (below).
   int64_t max_queued_prefill_tokens = 32000;
-  int64_t max_prefill_seqs = 32;  // overload: more requests in flight (0: no limit)
+  // Overload: more requests to prefill (EndpointLoad::queued_prefill_seqs, else in flight); 0: no
+  // limit.
+  int64_t max_prefill_seqs = 32;
   // A request is held for the queue limit above at most this long after it arrived; then it goes
   // to the engine that computes it soonest, over that engine's queued-token limit (never over
   // the in-flight limits). 0: no bound.
@@ -228,7 +236,8 @@ std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& 
 // Updates `view` as starting `request` on `prefill` and/or `decode` (-1: none) changes the
 // engines' load, so the next decision of the same dispatch pass sees it: in flight and tokens in
 // flight; the prefill engine's queued prefill tokens (by its uncached part) and the decode
-// engine's running sequences and held tokens where known.
+// engine's running sequences and held tokens where known; without a prefill engine (aggregated
+// mode), the decode engine's queued prefill tokens and requests to prefill too.
 void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, int decode);
 
 }  // namespace tandem::gateway

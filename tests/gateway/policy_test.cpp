@@ -14,9 +14,16 @@
 #include <set>
 #include <vector>
 
+#include "api/load_report.h"
 #include "api/prefill_work.h"
+#include "gateway/endpoints.h"
+#include "gateway/gateway_metrics.h"
 #include "gateway/policy.h"
+#include "gateway/prefix_index.h"
+#include "gateway/request.h"
+#include "gateway/topology.h"
 #include "util/error.h"
+#include "util/metrics.h"
 
 namespace tandem::gateway {
 namespace {
@@ -1068,6 +1075,132 @@ TEST(Tandem, AggregatedModeUsesPrefillTimeAndKvRoom) {
   EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 11);
   v.decode[1].free_kv_blocks = 5;
   EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 10);
+}
+
+// max_prefill_seqs (32) bounds an engine's queue of prompts still to prefill. An aggregated engine
+// decodes what it prefills, and its requests that are generating are not in that queue (a user's
+// trial: an engine taking 256 sequences ran 32 of 120 streaming clients while 88 waited in the
+// gateway, at a third of least_load's throughput).
+TEST(Tandem, AnAggregatedEngineWithFortyRequestsDecodingStillGetsTheNextRequest) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10, 0, 42, 256)};
+  v.decode[0].running_seqs = 40;
+  v.decode[0].queued_prefill_seqs = 2;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 10);
+  // Over its queued-token limit it holds the request, and takes it once held max_hold: the
+  // requests generating there do not keep it at the request limit either.
+  v.decode[0].queued_prefill_tokens = 40000;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0 + seconds(2)).endpoint, 10);
+}
+
+TEST(Tandem, AnAggregatedEngineWithThirtyTwoRequestsStillToPrefillIsOverloaded) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10, 0, 32, 256)};
+  v.decode[0].running_seqs = 0;
+  v.decode[0].queued_prefill_seqs = 32;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0 + seconds(60)).kind, Choice::Kind::kSaturated);
+  // An engine with more in flight but fewer to prefill takes it.
+  v.decode.push_back(ep(11, 0, 50, 256));
+  v.decode[1].running_seqs = 45;
+  v.decode[1].queued_prefill_seqs = 5;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 11);
+  // Where the gateway cannot tell (no fresh report), every request in flight counts.
+  v.decode[1].queued_prefill_seqs = -1;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).kind, Choice::Kind::kSaturated);
+}
+
+// A prefill engine's requests in flight are all prefill work (P/D modes): each counts against the
+// limit, whatever the engine reports running.
+TEST(Tandem, APrefillEnginesEveryRequestInFlightCountsAgainstItsPrefillLimit) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0, 0, 32, 64)};
+  v.prefill[0].running_seqs = 30;
+  v.decode = {ep(10)};
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_together(v, req(1000), t0 + seconds(60)).kind, Choice::Kind::kSaturated);
+  v.prefill[0].in_flight = 31;
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 0);
+}
+
+// Within one dispatch pass each request sent to an aggregated engine joins its prefill queue, so
+// a burst stops at the limit rather than going all to one engine until its next report.
+TEST(Tandem, ADispatchPassFillsAnAggregatedEnginesPrefillQueueUpToTheLimit) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10, 0, 40, 256)};
+  v.decode[0].running_seqs = 40;
+  v.decode[0].queued_prefill_seqs = 0;
+  int sent = 0;
+  while (sent < 100) {
+    const Choice c = p->choose_decode(v, req(100), -1, t0);
+    if (c.kind != Choice::Kind::kChosen) break;
+    apply_choice(v, req(100), -1, c.endpoint);
+    ++sent;
+  }
+  EXPECT_EQ(sent, 32);
+  EXPECT_EQ(v.decode[0].queued_prefill_seqs, 32);
+  EXPECT_EQ(v.decode[0].in_flight, 72);
+}
+
+// The gateway's view: an aggregated engine's requests still to prefill are those it has in flight
+// there less the sequences the engine last reported running; unknown without a report, and never
+// counted for P/D engines.
+TEST(EndpointView, AnAggregatedEnginesPrefillQueueIsItsRequestsInFlightNotYetRunning) {
+  Topology topo;
+  topo.mode = PdMode::kAggregated;
+  PrefixIndex index;
+  metrics::Registry registry;
+  GatewayMetrics gateway_metrics(registry);
+  EndpointTable table(topo, gateway_metrics, index);
+  Endpoint engine;
+  engine.name = "engine-0";
+  engine.host = "engine-0.engines";
+  engine.port = 8000;
+  const int id = table.add(false, engine);
+  const Clock::time_point now = t0;
+  for (int i = 0; i < 42; ++i) {
+    Leg leg;
+    leg.endpoint = id;
+    leg.started = now;
+    table.leg_started(*table.find(id), leg);
+  }
+  auto queued_seqs = [&] { return table.view(now, nullptr).decode.at(0).queued_prefill_seqs; };
+  EXPECT_EQ(queued_seqs(), -1);  // no report yet: all 42 count
+  LoadAnswer answer;
+  answer.kind = LoadAnswer::Kind::kReport;
+  answer.report.running = 40;
+  answer.report.waiting = 1;
+  answer.report.total_blocks = 1000;
+  answer.report.free_blocks = 500;
+  answer.report.block_size = 16;
+  table.load_result(id, {}, answer, now);
+  EXPECT_EQ(queued_seqs(), 2);
+  // Another client's sequences running there too: none of this gateway's counts as more than 0.
+  answer.report.running = 60;
+  table.load_result(id, {}, answer, now);
+  EXPECT_EQ(queued_seqs(), 0);
+  // A report older than the view trusts (four polls): unknown again.
+  EXPECT_EQ(table.view(now + std::chrono::seconds(10), nullptr).decode.at(0).queued_prefill_seqs,
+            -1);
+
+  // P/D modes: the decode engine's legs are not its prefill work, and a prefill engine's all are.
+  Topology pd;
+  pd.mode = PdMode::kSequential;
+  EndpointTable pd_table(pd, gateway_metrics, index);
+  const int prefill = pd_table.add(true, engine);
+  Endpoint decode_engine = engine;
+  decode_engine.name = "decode-0";
+  decode_engine.host = "decode-0.engines";
+  const int decode = pd_table.add(false, decode_engine);
+  for (const int e : {prefill, decode}) pd_table.load_result(e, {}, answer, now);
+  const ClusterView pd_view = pd_table.view(now, nullptr);
+  EXPECT_EQ(pd_view.prefill.at(0).queued_prefill_seqs, -1);
+  EXPECT_EQ(pd_view.decode.at(0).queued_prefill_seqs, -1);
 }
 
 // ------------------------------------------------------------------------------ helpers

@@ -206,9 +206,7 @@ class TandemPolicy final : public Policy {
                                               const RequestInfo& r, Clock::time_point now) const {
     std::vector<const EndpointLoad*> out;
     for (const auto* e : busy)
-      if (!detail::at_in_flight_limit(*e) &&
-          !(o_.max_prefill_seqs > 0 && e->in_flight >= o_.max_prefill_seqs))
-        out.push_back(e);
+      if (!detail::at_in_flight_limit(*e) && !at_prefill_seq_limit(*e)) out.push_back(e);
     bool oversized = o_.max_queued_prefill_tokens > 0 && !out.empty();
     for (const auto* e : out)
       if (detail::uncached_tokens(*e, r) < o_.max_queued_prefill_tokens) oversized = false;
@@ -226,6 +224,13 @@ class TandemPolicy final : public Policy {
     return out.empty() ? nullptr : pick_prefill(out, r, nullptr);
   }
 
+  // The engine's requests still to prefill reach max_prefill_seqs. Those an aggregated engine
+  // already runs are generating, bounded by its own limits (in flight, KV room), not this one.
+  bool at_prefill_seq_limit(const EndpointLoad& e) const {
+    const int64_t to_prefill = e.queued_prefill_seqs >= 0 ? e.queued_prefill_seqs : e.in_flight;
+    return o_.max_prefill_seqs > 0 && to_prefill >= o_.max_prefill_seqs;
+  }
+
   bool prefill_overloaded(const EndpointLoad& e) const {
     return detail::at_in_flight_limit(e) || queue_overloaded(e);
   }
@@ -236,7 +241,7 @@ class TandemPolicy final : public Policy {
   // served: one that orders its prefills by deadline already lets a short prompt pass the queued
   // ones, and a second, arrival-ordered queue in the gateway only delays it.
   bool queue_overloaded(const EndpointLoad& e) const {
-    if (o_.max_prefill_seqs > 0 && e.in_flight >= o_.max_prefill_seqs) return true;
+    if (at_prefill_seq_limit(e)) return true;
     if (gets_deadlines(e)) return false;
     const int64_t queued = detail::queued_prefill(e);
     return o_.max_queued_prefill_tokens > 0 && queued > 0 && queued >= o_.max_queued_prefill_tokens;
