@@ -604,6 +604,9 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
         {
           std::lock_guard lock(r->mutex);
           if (leg->state != LegState::kRunning) return;  // finished, or the client has its stream
+          // Cut already (an ejection, the shut-down) and its call not yet ended: that reason
+          // stands, and the cut's own handling (a retry, a 503) with it.
+          if (!leg->cancel_reason.empty()) return;
           leg->cancel_reason =
               std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
           leg->whole_answer_timed_out = whole_answer;

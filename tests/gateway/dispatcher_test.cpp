@@ -3475,6 +3475,35 @@ TEST(HealthMonitor, AnEngineEjectedForFailedRequestsKeepsItsLegsUntilItsProbesFa
   EXPECT_EQ(client->status, 200);
 }
 
+// A leg cut for its engine's ejection whose call reports the cancel late (the real client does,
+// from its io thread) may meet its deadline meanwhile: the first reason stands. The deadline's
+// overwrote it, and the whole-answer timeout then answered 504 "not retried" for a leg that the
+// ejection had cut: the client got a timeout from an engine the gateway had given up on.
+TEST(HealthMonitor, ALegCutForAnEjectionKeepsThatReasonWhenItsDeadlinePassesBeforeItEnds) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  t.timeouts.first_token = milliseconds(1500);
+  t.prefill_retries = 0;
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto client = c.send();
+  auto leg = c.engines.open("/v1/completions");
+  ASSERT_EQ(leg.size(), 1u);
+  ASSERT_EQ(host_of(*leg[0]), "a");
+  c.engines.answer_after_cancel = true;
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"a"});
+  ASSERT_TRUE(leg[0]->cancelled);
+  c.clock.advance_by(milliseconds(500));  // the leg's deadline, before its cancel reports back
+  FakeEngines::finish(*leg[0], "cancelled");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_THAT(client->error_message, testing::HasSubstr("its engine was ejected"));
+  EXPECT_THAT(client->error_message, testing::Not(testing::HasSubstr("timed out")));
+}
+
 // A drained engine is not ejected: its legs finish.
 TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
   Topology t = aggregated({engine("a"), engine("b")});
