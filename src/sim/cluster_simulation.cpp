@@ -259,7 +259,10 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
                                     topo.access_log, &gateway_metrics.access_log_dropped);
   gateway::Dispatcher dispatcher(topo, clock, upstream, *policy, endpoints, gateway_metrics,
                                  access_log.get());
-  gateway::HealthMonitor health(topo, clock, upstream, endpoints, [&] { dispatcher.dispatch(); });
+  // As the live gateway wires it (gateway.cpp): an ejection by failed probes cuts the legs that
+  // sent their client nothing, so a hung engine's requests are retried elsewhere at once.
+  gateway::HealthMonitor health(topo, clock, upstream, endpoints,
+                                [&] { dispatcher.engines_changed(); });
   gateway::FrontEnd front_end(topo, clock, upstream, dispatcher, endpoints, registry,
                               prompt_tokenizer.get());
 

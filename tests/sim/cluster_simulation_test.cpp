@@ -637,8 +637,12 @@ TEST(ClusterSimulation, APrefillEngineThatDiesLeavesItsRequestsToTheOtherPrefill
 
 TEST(ClusterSimulation, AStalledEngineIsEjectedAndItsStreamsResumeWhenItWakes) {
   // decode-0 hangs from 5 s to 35 s, shorter than the gateway's idle timeout (120 s): its probes
-  // time out and it is ejected, later requests go to decode-1, and the streams it held pause and
-  // then finish. Nothing is lost; it is healthy again at the end.
+  // at 6, 8 and 10 s time out a second later, ejecting it at 11 s. Round robin sends it every
+  // other request (those sent at whole seconds). Those it got from 5 s to 11 s (the one sent at
+  // 11 s arrives before the third probe's failure is taken) sent their clients nothing: as live
+  // (Dispatcher::engines_changed) their legs are cut at the ejection and retried on decode-1,
+  // their first tokens after 11 s. Later requests go to decode-1; the streams decode-0 was
+  // sending pause and then finish. Nothing is lost; it is healthy again at the end.
   auto reqs = random_requests(60, 21);
   for (size_t i = 0; i < reqs.size(); ++i) {
     reqs[i].arrival_s = 0.5 * double(i);
@@ -655,18 +659,68 @@ TEST(ClusterSimulation, AStalledEngineIsEjectedAndItsStreamsResumeWhenItWakes) {
     const double longest_gap =
         r.itl_s.empty() ? 0 : *std::max_element(r.itl_s.begin(), r.itl_s.end());
     if (longest_gap > 20 || r.ttft_s > 20) ++paused;
-    const double ejected_by = 5.0 + 3 * 2.0 + 2.0;
-    if (reqs[i].arrival_s > ejected_by && reqs[i].arrival_s < 35) {
+    const double at = reqs[i].arrival_s;
+    if (i % 2 == 0 && at >= 5.0 && at <= 11.0) {
+      EXPECT_GE(at + r.ttft_s, 11.0) << i << ": cut at the ejection";
+      EXPECT_LT(at + r.ttft_s, 12.0) << i << ": retried on decode-1 at once";
+    } else if (at > 11.0 && at < 35) {
       EXPECT_LT(r.ttft_s + longest_gap, 5.0) << i << ": served by decode-1";
     }
   }
   EXPECT_GT(paused, 0u);
   EXPECT_GT(run.timeouts, 0);  // the probes
-  EXPECT_EQ(run.retries, 0);
+  EXPECT_EQ(run.retries, 7);   // sent at 5, 6, .., 11 s
   for (const auto& e : run.engines) {
     EXPECT_TRUE(e.healthy) << e.name;
     EXPECT_EQ(e.blocks_in_use, 0) << e.name;
   }
+}
+
+TEST(ClusterSimulation, TheLegOfAStalledEngineThatFailsItsProbesIsRetriedElsewhereOnItsEjection) {
+  // As the live gateway (Dispatcher::engines_changed): decode-0 hangs from 5 s; a 20-token request
+  // sent there at 5.5 s has sent its client nothing. The probes at 6, 8 and 10 s time out a
+  // second later (7, 9, 11 s): the third ejects it at 11 s, its leg is cut and retried on decode-1,
+  // which prefills it in one step of 10 + 20 ms and decodes the other 3 tokens in 10 ms each. The
+  // simulator dispatched there instead, and the leg waited for decode-0 to wake at 105 s.
+  auto o = options(2, hand_model());
+  o.gateway.policy = "round_robin";  // the first request goes to decode-0
+  o.gateway.timeouts.first_token = o.gateway.timeouts.idle = std::chrono::seconds(1000);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 5.0, 100.0}};
+  const auto run = simulate({request(5.5, words(20, 1), 4)}, o, tokenizer());
+  const auto& r = run.results[0];
+  ASSERT_TRUE(r.success) << r.error;
+  EXPECT_NEAR(r.ttft_s, 11.0 + 0.030 - 5.5, 1e-9);
+  EXPECT_NEAR(r.latency_s, 11.0 + 0.030 + 3 * 0.010 - 5.5, 1e-9);
+  EXPECT_EQ(run.retries, 1);
+  ASSERT_EQ(run.engines.size(), 2u);
+  EXPECT_EQ(run.engines[1].steps, 4);
+}
+
+TEST(ClusterSimulation, AnEngineEjectedForFailedRequestsThatAnswersItsProbesKeepsItsLegs) {
+  // decode-0 hangs from 0.1 s to 1.9 s, between its probes at 0 and 2 s, which both pass. The
+  // legs sent there at 0.2, 0.3 and 0.4 s time out at 1.2, 1.3 and 1.4 s (first-token timeout
+  // 1 s, no probe passed since they left): three failed requests eject it at 1.4 s, its probes
+  // still passing, and they are retried on decode-1. D, sent there at 1 s, has sent its client
+  // nothing when load reports come again after 1.9 s: it keeps its leg, as live (an engine
+  // ejected for failed requests may be working through its legs), and decode-0 prefills it as
+  // it wakes, in one step of 10 + 20 ms, and decodes its other 3 tokens in 10 ms each.
+  auto o = options(2, hand_model());
+  o.gateway.policy = "round_robin";  // decode-0, decode-1 in turn
+  o.gateway.timeouts.first_token = std::chrono::seconds(1);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.1, 1.8}};
+  std::vector<bench::BenchRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(request(0.2 + 0.05 * i, words(20, size_t(i)), 4));
+  reqs.push_back(request(1.0, words(20, 9), 4));  // D, to decode-0
+  const auto run = simulate(reqs, o, tokenizer());
+  for (size_t i = 0; i < reqs.size(); ++i)
+    ASSERT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  const auto& d = run.results.back();
+  EXPECT_NEAR(d.ttft_s, 1.9 + 0.030 - 1.0, 1e-9);
+  EXPECT_NEAR(d.latency_s, 1.9 + 0.030 + 3 * 0.010 - 1.0, 1e-9);
+  EXPECT_EQ(run.retries, 3);           // the timed-out legs, not D's
+  EXPECT_EQ(run.engines[0].steps, 4);  // D's alone
+  // Still ejected: the run ends with D's answer at 1.96 s, before its probe at 2 s readmits it.
+  EXPECT_FALSE(run.engines[0].healthy);
 }
 
 TEST(ClusterSimulation, AStalledEngineDropsTheCallsWhoseCallersGaveUp) {
@@ -746,10 +800,15 @@ TEST(ClusterSimulation, ARunWithAStallThatEndsInsideANanosecondFinishes) {
       ::setrlimit(RLIMIT_CPU, &cpu);
       const SimulationRun run = simulate(reqs, o, tokenizer());
       // Every request answered by the stall's end (496.4 s) and a little more, none after the
-      // gateway's timeouts (1000 s).
-      const bool all = std::all_of(run.results.begin(), run.results.end(),
-                                   [](const auto& x) { return x.success && x.latency_s < 200; });
-      ::_exit(all && run.retries == 0 ? 0 : 1);
+      // gateway's timeouts (1000 s). Those the stalled engine held that had sent nothing are
+      // answered when its probes eject it (at 407 s), as live: their legs are cut and no other
+      // engine of its pool can take them. The request sent after the stall is served: the
+      // engine woke.
+      const bool all = std::all_of(run.results.begin(), run.results.end(), [](const auto& x) {
+        return x.latency_s < 200 &&
+               (x.success || x.error.find("no healthy engine") != std::string::npos);
+      });
+      ::_exit(all && run.results.back().success ? 0 : 1);
     }
     int status = 0;
     ASSERT_EQ(::waitpid(child, &status, 0), child);
@@ -871,7 +930,10 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
   // A stall is the engine frozen whole, as bench/chaos.sh stops it (SIGSTOP): its KV transfer
   // threads too. A transfer under way when either engine of its link stalls stops, and goes on
   // when the engine wakes: the first token comes the stall's length later. A stalled prefill
-  // engine kept streaming its KV, and its stall delayed nothing.
+  // engine kept streaming its KV, and its stall delayed nothing. The stall (3 s to 4.5 s) answers
+  // its probe of 4 s within the probe timeout: a longer one would eject the engine at 9 s and, as
+  // live, cut a leg that sent its client nothing (the decode leg, or a parallel prefill leg whose
+  // room is sending), which no other engine of its pool could take.
   for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel})
     for (const std::string stalled : {"", "prefill-0", "decode-0"}) {
       SCOPED_TRACE(std::string(gateway::mode_name(mode)) + " " + stalled);
@@ -880,13 +942,13 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
       o.kv_transfer_timeout_s = 1e5;
       o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
           std::chrono::seconds(10000);
-      if (!stalled.empty()) o.faults = {{Fault::Kind::kStall, stalled, 3.0, 100.0}};
+      const double stall_s = stalled.empty() ? 0 : 1.5;
+      if (!stalled.empty()) o.faults = {{Fault::Kind::kStall, stalled, 3.0, stall_s}};
       const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
       ASSERT_TRUE(run.results[0].success) << run.results[0].error;
       ASSERT_EQ(run.kv_transfers, 1);
       const double transfer_s = run.kv_transfer_bytes / 1e6;
       EXPECT_GT(transfer_s, 5);  // under way at 3 s
-      const double stall_s = stalled.empty() ? 0 : 100;
       EXPECT_GE(run.results[0].ttft_s, transfer_s + stall_s);
       EXPECT_LT(run.results[0].ttft_s, transfer_s + stall_s + 1.0);
     }
@@ -894,20 +956,21 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
 
 TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeoutAndIsRetried) {
   // As live engines since the handshake timeout bounds a pull: decode-0 is stalled when the
-  // decode leg comes (it takes the leg when it wakes at 10 s) and prefill-0, which holds the KV,
-  // is stalled from 5 s to 35 s: the pull fails at the handshake timeout (5 s) as prefill-0's
-  // fault, and the gateway prefills the request again on prefill-1, long before prefill-0 wakes.
+  // decode leg comes (it takes the leg when it wakes at 5.5 s; its probes of 2 and 4 s fail, too
+  // few to eject it, which would cut the leg) and prefill-0, which holds the KV, is stalled from
+  // 5 s to 35 s: the pull fails at the handshake timeout (5 s) as prefill-0's fault, and the
+  // gateway prefills the request again on prefill-1, long before prefill-0 wakes.
   auto o = pd_options(gateway::PdMode::kSequential, 2, 1, hand_model());
   o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
       std::chrono::seconds(1000);
-  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 9.99},
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 5.49},
               {Fault::Kind::kStall, "prefill-0", 5.0, 30.0}};
   const auto run = simulate({request(0, words(20, 1), 4)}, o, tokenizer());
   ASSERT_TRUE(run.results[0].success) << run.results[0].error;
   EXPECT_EQ(run.retries, 1);
   EXPECT_EQ(run.kv_transfers, 1);
-  EXPECT_GE(run.results[0].ttft_s, 15.0);  // the pull began at 10 s and failed 5 s later
-  EXPECT_LT(run.results[0].ttft_s, 16.0);  // not prefill-0's wake (35 s)
+  EXPECT_GE(run.results[0].ttft_s, 10.5);  // the pull began at 5.5 s and failed 5 s later
+  EXPECT_LT(run.results[0].ttft_s, 11.5);  // not prefill-0's wake (35 s)
 }
 
 // Two runs of one workload agree in everything they report.
@@ -1016,12 +1079,13 @@ TEST(ClusterSimulation, AnIdleGapWithAStalledEngineIsSkippedAndTheRunIsTheSame) 
 TEST(ClusterSimulation, AStallWithMillisecondProbesAndLongTimeoutsEnds) {
   // 1 ms probes and timeouts of 2^31 ms with a request on an engine hung for 10^6 s: timer by
   // timer that was 10^9 probes, hours of simulation. Skipped, the request is answered when the
-  // engine wakes.
-  auto o = options(1, "deepseek-v3-h800");
+  // engine wakes. Its stream is under way (its first token came at 0.11 s: one prefill step of
+  // 10 + 100 ms), so the ejection leaves it its leg, as live.
+  auto o = options(1, hand_model());
   o.gateway.health.probe_interval = o.gateway.health.probe_timeout = std::chrono::milliseconds(1);
   o.gateway.timeouts.queue = o.gateway.timeouts.prefill = o.gateway.timeouts.first_token =
       o.gateway.timeouts.idle = std::chrono::milliseconds(2147483647);
-  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 1e6}};
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.2, 1e6}};
   const auto run = simulate({request(0, words(100, 1), 50)}, o, tokenizer());
   ASSERT_TRUE(run.results[0].success) << run.results[0].error;
   EXPECT_GT(run.results[0].latency_s, 1e6);
