@@ -12,6 +12,7 @@
 #include <future>
 #include <map>
 #include <optional>
+#include <random>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
+#include "engine/expert_parallel/ep_rank.h"
 #include "net/http_client.h"
 #include "text/oracle_support.h"
 #include "util/thread_state.h"
@@ -73,6 +75,58 @@ json placement_json(int ranks, int experts,
           {"experts", experts},
           {"phy2log", phy2log},
           {"rank_slots", rank_slots}};
+}
+
+// The planner (placement::evaluate) and the simulator give each copy of an expert an equal share
+// of its tokens, so the ranks' dispatch must too, whichever ranks the tokens come from: with few
+// sequences attention puts them all on rank 0, which must not then run every expert it holds a
+// copy of. Per expert with c copies and t tokens in a layer's step, every copy gets floor(t/c) or
+// ceil(t/c), and the same however the t tokens are spread over the senders.
+TEST(ExpertDispatch, EveryCopyOfAnExpertGetsAnEvenShareOfItsTokensWhoeverSentThem) {
+  // 3 ranks, 6 experts; slots rank-major. Expert 0 on every rank, 1 on ranks 0 and 2, 2 twice on
+  // rank 1 (as EPLB may pack it) and once on rank 0, the rest once.
+  const std::vector<int32_t> slot_rank = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2};
+  const std::vector<int32_t> slot_expert = {0, 1, 2, 3, 0, 2, 2, 4, 0, 1, 5};
+  std::vector<std::vector<int32_t>> copies(6);
+  for (size_t s = 0; s < slot_expert.size(); ++s) copies[slot_expert[s]].push_back(int32_t(s));
+  std::mt19937 random(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    // The step's tokens per expert, then the same tokens sent three ways: all by rank 0, all by
+    // rank 2, and each by a random rank.
+    std::vector<int32_t> tokens;
+    for (int32_t e = 0; e < 6; ++e)
+      for (int k = int(random() % 9); k > 0; --k) tokens.push_back(e);
+    std::shuffle(tokens.begin(), tokens.end(), random);
+    std::vector<std::vector<std::vector<int32_t>>> ways(3, std::vector<std::vector<int32_t>>(3));
+    for (int32_t e : tokens) {
+      ways[0][0].push_back(e);
+      ways[1][2].push_back(e);
+      ways[2][random() % 3].push_back(e);
+    }
+    std::vector<std::vector<int64_t>> per_slot;
+    for (const auto& sent : ways) {
+      const auto slots = ep::slots_for_entries(sent, copies);
+      ASSERT_EQ(slots.size(), sent.size());
+      auto& count = per_slot.emplace_back(slot_rank.size(), 0);
+      for (size_t q = 0; q < sent.size(); ++q) {
+        ASSERT_EQ(slots[q].size(), sent[q].size());
+        for (size_t i = 0; i < sent[q].size(); ++i) {
+          ASSERT_EQ(slot_expert[size_t(slots[q][i])], sent[q][i]) << "a copy of another expert";
+          ++count[size_t(slots[q][i])];
+        }
+      }
+      for (int32_t e = 0; e < 6; ++e) {
+        const auto t = std::count(tokens.begin(), tokens.end(), e);
+        const auto c = int64_t(copies[size_t(e)].size());
+        for (int32_t s : copies[size_t(e)])
+          EXPECT_TRUE(count[size_t(s)] == t / c || count[size_t(s)] == (t + c - 1) / c)
+              << "trial " << trial << ": expert " << e << " with " << t << " tokens over " << c
+              << " copies gave slot " << s << " " << count[size_t(s)];
+      }
+    }
+    EXPECT_EQ(per_slot[0], per_slot[1]) << "trial " << trial;
+    EXPECT_EQ(per_slot[0], per_slot[2]) << "trial " << trial;
+  }
 }
 
 struct Answer {

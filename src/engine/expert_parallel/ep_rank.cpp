@@ -22,6 +22,31 @@ model::LatentCacheShape cache_shape_of(const model::DeepSeekModel& m, const EpSh
 
 }  // namespace
 
+std::vector<std::vector<int32_t>> slots_for_entries(
+    std::span<const std::vector<int32_t>> experts_sent,
+    const std::vector<std::vector<int32_t>>& copies) {
+  std::vector<int64_t> total(copies.size(), 0);
+  for (const auto& sent : experts_sent)
+    for (int32_t e : sent) ++total[size_t(e)];
+  std::vector<int64_t> taken(copies.size(), 0);
+  std::vector<std::vector<int32_t>> out(experts_sent.size());
+  for (size_t q = 0; q < experts_sent.size(); ++q)
+    for (int32_t e : experts_sent[q]) {
+      const auto& slots = copies[size_t(e)];
+      const auto c = int64_t(slots.size());
+      const int64_t base = total[size_t(e)] / c, extra = total[size_t(e)] % c;
+      // The expert's i-th token falls in run k of c contiguous runs, the first `extra` of them
+      // one token longer.
+      const int64_t i = taken[size_t(e)]++;
+      const int64_t k =
+          i < extra * (base + 1) ? i / (base + 1) : extra + (i - extra * (base + 1)) / base;
+      // Runs start at copy e mod c: a lone token (one decode) of each expert lands on a
+      // different copy for different experts, not always on the lowest rank's.
+      out[q].push_back(slots[size_t((k + e) % c)]);
+    }
+  return out;
+}
+
 EpRank::EpRank(const EpSegment& segment, int rank,
                std::shared_ptr<const model::DeepSeekModel> model)
     : segment_(segment),
@@ -100,8 +125,8 @@ void EpRank::switch_placement(uint32_t which) {
       if (next.slot_rank[size_t(slot)] != rank_) continue;
       // A second copy of an expert on this rank (EPLB packs copies by load alone and may put
       // two on one rank) is the same expert: it shares the first copy's weights, and the rows
-      // sent to either run together, as they would with one copy. Dispatch still counts both
-      // slots, so ranks without a copy send this rank two shares, as EPLB's balance assumes.
+      // sent to either run together, as they would with one copy. slots_for_entries still gives
+      // each slot its share, so this rank runs two shares, as EPLB's balance assumes.
       if (const auto same = std::find(next.held_expert.begin(), next.held_expert.end(), e);
           same != next.held_expert.end()) {
         next.local[size_t(slot)] = int32_t(same - next.held_expert.begin());
@@ -157,27 +182,13 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     throw Error("expert exchange: " + std::to_string(n) + " tokens, the segment holds " +
                 std::to_string(s.max_tokens));
   if (n > 0) std::memcpy(me.rows, xn, sizeof(float) * size_t(n * h));
-  std::vector<int64_t> sent(L.slot_rank.size(), 0);
   std::vector<int64_t> first_entry(static_cast<size_t>(n) + 1, 0);
   int64_t j = 0;
   for (int64_t t = 0; t < n; ++t) {
     const model::Routing& r = routes[size_t(t)];
     first_entry[size_t(t)] = j;
-    for (size_t k = 0; k < r.experts.size(); ++k) {
-      const auto& copies = L.copies[size_t(r.experts[k])];
-      int32_t slot = -1;
-      for (int32_t c : copies)
-        if (L.slot_rank[size_t(c)] == rank_) slot = c;
-      if (slot < 0) {  // the least-sent copy; ties rotate by rank so ranks spread over copies
-        const size_t m = copies.size();
-        for (size_t i = 0; i < m; ++i) {
-          const int32_t c = copies[(i + size_t(rank_)) % m];
-          if (slot < 0 || sent[size_t(c)] < sent[size_t(slot)]) slot = c;
-        }
-      }
-      ++sent[size_t(slot)];
-      me.entries[j++] = {int32_t(t), r.experts[k], slot, r.weights[k]};
-    }
+    for (size_t k = 0; k < r.experts.size(); ++k)
+      me.entries[j++] = {int32_t(t), r.experts[k], r.weights[k]};
   }
   first_entry[size_t(n)] = j;
   me.entry_count->store(j, std::memory_order_release);
@@ -199,17 +210,22 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     int32_t rank;
     int64_t entry;
   };
-  std::vector<std::vector<Ref>> work(L.held.size());
+  // Every rank derives the same copy for every rank's entries from what they all dispatched.
   std::vector<RankArea> areas;
+  std::vector<std::vector<int32_t>> experts_sent(size_t(s.ranks));
   for (int q = 0; q < s.ranks; ++q) {
     areas.push_back(segment_.rank(q));
     const int64_t count = areas.back().entry_count->load(std::memory_order_acquire);
     const Entry* entries = areas.back().entries;
-    for (int64_t e = 0; e < count; ++e) {
-      const int32_t local = L.local[size_t(entries[e].slot)];
-      if (local >= 0) work[size_t(local)].push_back({q, e});
-    }
+    for (int64_t e = 0; e < count; ++e) experts_sent[size_t(q)].push_back(entries[e].expert);
   }
+  const std::vector<std::vector<int32_t>> slot_of = slots_for_entries(experts_sent, L.copies);
+  std::vector<std::vector<Ref>> work(L.held.size());
+  for (int q = 0; q < s.ranks; ++q)
+    for (size_t e = 0; e < slot_of[size_t(q)].size(); ++e) {
+      const int32_t local = L.local[size_t(slot_of[size_t(q)][e])];
+      if (local >= 0) work[size_t(local)].push_back({q, int64_t(e)});
+    }
   std::vector<int64_t> first_row(work.size() + 1, 0);
   for (size_t i = 0; i < work.size(); ++i)
     first_row[i + 1] = first_row[i] + int64_t(work[i].size());
@@ -254,7 +270,7 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     auto& p = parts[size_t(t)];
     for (int64_t e = first_entry[size_t(t)]; e < first_entry[size_t(t) + 1]; ++e) {
       const Entry& en = me.entries[e];
-      const RankArea& owner = ap[L.slot_rank[size_t(en.slot)]];
+      const RankArea& owner = ap[L.slot_rank[size_t(slot_of[size_t(rank_)][size_t(e)])]];
       p.push_back({en.expert, en.weight, owner.results + me.result_row[e] * h});
     }
     std::sort(p.begin(), p.end(), [](const Part& a, const Part& b) { return a.expert < b.expert; });

@@ -7,17 +7,19 @@
 // Attention is data-parallel: the front gives each rank a contiguous run of the step's sequences
 // (about equal new tokens), so rank order is batch order. At every MoE layer each rank routes its
 // own tokens and the exchange below runs them through the experts wherever they live:
-//   dispatch  - the rank writes its tokens' normalised rows once and one entry per (token, expert)
-//               naming the physical copy: a copy on the rank itself if there is one, else the one
-//               this rank has sent fewest tokens to in this layer;       barrier
-//   experts   - each rank gathers, per expert it holds, the rows every rank sent there (in rank
-//               order, hence in batch order, as the single process gathers them), runs the expert
+//   dispatch  - the rank writes its tokens' normalised rows once and one entry per (token, expert);
+//               barrier
+//   experts   - every rank derives from all ranks' entries the copy each entry runs on (an even
+//               share of each expert's tokens per copy, slots_for_entries); each gathers, per
+//               expert it holds, the rows sent to its copies (in rank order, hence in batch
+//               order, as the single process gathers them), runs the expert
 //               and writes the results into its own area, telling each sender where;  barrier
 //   combine   - each rank sums its tokens' results in ascending expert order.
 // Ranks without tokens in a step still take part in every exchange.
 //
-// What a network transport would need to replace the segment: the dispatch entries and rows sent
-// to the rank owning each slot (all-to-all), the results sent back (all-to-all), a barrier per
+// What a network transport would need to replace the segment: every rank's tokens per expert
+// (all-gather, for slots_for_entries' split), the dispatch entries and rows sent to the rank
+// owning each slot (all-to-all), the results sent back (all-to-all), a barrier per
 // phase (or per-peer completion counters), a per-rank KV cache with sticky sequence ownership
 // (here every rank maps one cache, so a step may give a sequence to any rank), and the step's
 // command broadcast from the front.
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "engine/executor/executor.h"
@@ -32,6 +35,17 @@
 #include "model/deepseek.h"
 
 namespace tandem::engine::ep {
+
+// The physical slot each dispatch entry of one MoE layer's step runs on, per sending rank.
+// `experts_sent[q]` holds rank q's entries' logical experts in entry order; `copies` maps a
+// logical expert to its slots (two slots on one rank count twice). An expert's t entries, in rank
+// order then entry order, are cut into as many contiguous runs as it has copies, of floor(t/c) or
+// ceil(t/c) entries: every copy gets an equal share of the expert's tokens whichever ranks sent
+// them, as the planner (placement::evaluate) and the simulated executor assume. A rank's own copy
+// is not preferred: in the shared segment a row costs the same copy whichever rank reads it.
+std::vector<std::vector<int32_t>> slots_for_entries(
+    std::span<const std::vector<int32_t>> experts_sent,
+    const std::vector<std::vector<int32_t>>& copies);
 
 class EpRank final : public model::ExpertExchange {
  public:

@@ -5,7 +5,7 @@
 // sampled rows' logits, and the paged latent cache every rank reads and writes.
 //
 // A rank's exchange area holds what it dispatches (its tokens' normalised rows and one entry per
-// (token, chosen expert) naming the physical slot), what it computes for others (the rows of its
+// (token, chosen expert)), what it computes for others (the rows of its
 // slots' results, found through result_row) and its routes per (MoE layer, expert) of the step.
 #include <atomic>
 #include <cstddef>
@@ -55,10 +55,9 @@ struct ItemDesc {
   int64_t first_block = 0, blocks = 0;
 };
 
-struct Entry {  // one token's use of one expert
+struct Entry {  // one token's use of one expert; the copy it runs on is slots_for_entries'
   int32_t token = 0;
   int32_t expert = 0;  // logical
-  int32_t slot = 0;    // physical
   float weight = 0;
 };
 
