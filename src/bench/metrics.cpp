@@ -218,14 +218,23 @@ Timeline timeline(std::span<const RequestResult> results) {
   t.origin = min_start;
   t.end = max_end;
   t.seconds = static_cast<int64_t>(std::ceil(max_end - min_start)) + 1;
-  // The bucket of every token, then counted: memory follows the tokens, not the run's span.
-  std::vector<int64_t> buckets;
+  // (bucket, tokens) of every chunk, then summed: memory follows the chunks, not the run's span.
+  std::vector<std::pair<int64_t, int64_t>> buckets;
   for (const RequestResult& r : results) {
     if (!r.success) continue;
+    // A chunk may carry several tokens (speculative decoding), and the stream says how many only
+    // in all: the request's output tokens are spread over its chunks, chunk k of C taking
+    // floor((k+1)T/C) - floor(kT/C), so the buckets add up to the tokens, not to the chunks.
+    // (As base + the remainder's share: k * output_tokens could overflow, k * rem < chunks^2 not.)
+    const auto chunks = static_cast<int64_t>(r.itl_s.size()) + 1;
+    const int64_t base = r.output_tokens / chunks, rem = r.output_tokens % chunks;
+    int64_t k = 0;
     double at = r.start_s + r.ttft_s;
     const auto add = [&](double time) {
+      const int64_t tokens = base + (k + 1) * rem / chunks - k * rem / chunks;
+      ++k;
       const auto b = static_cast<int64_t>(time - min_start);  // int(): toward zero
-      if (b >= 0 && b < t.seconds) buckets.push_back(b);
+      if (tokens > 0 && b >= 0 && b < t.seconds) buckets.emplace_back(b, tokens);
     };
     add(at);
     for (double gap : r.itl_s) {
@@ -236,10 +245,10 @@ Timeline timeline(std::span<const RequestResult> results) {
     t.in_flight_changes.emplace_back(r.start_s + r.latency_s, -1);
   }
   std::sort(buckets.begin(), buckets.end());
-  for (int64_t b : buckets) {
+  for (const auto& [b, tokens] : buckets) {
     if (t.busy_seconds.empty() || t.busy_seconds.back().first != b)
       t.busy_seconds.emplace_back(b, 0);
-    ++t.busy_seconds.back().second;
+    t.busy_seconds.back().second += tokens;
   }
   std::sort(t.in_flight_changes.begin(), t.in_flight_changes.end());
   return t;

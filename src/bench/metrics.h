@@ -60,7 +60,7 @@ struct BenchSummary {
   std::optional<double> request_goodput;  // good / duration, when an SLO is given
   double output_throughput = 0;           // total_output_tokens / duration
   double total_token_throughput = 0;      // (input + output) / duration
-  double max_output_tokens_per_s = 0;     // busiest 1 s bucket of token arrival times
+  double max_output_tokens_per_s = 0;     // busiest 1 s bucket of output tokens (timeline())
   int64_t max_concurrent_requests = 0;    // most requests in flight, over [start, start+latency)
   MetricStats ttft;                       // per completed request
   MetricStats tpot;  // (latency - ttft) / (output_tokens - 1), requests with output_tokens > 1
@@ -77,11 +77,12 @@ double mooncake_tbt(std::span<const double> itl_s);
 // np.percentile(values, p) with the default linear method; values need not be sorted.
 double percentile(std::vector<double> values, double p);
 
-// The run over time, with summarize()'s rules: completed requests only; output tokens (one at
-// start + ttft, then one after each gap) in 1 s buckets counted from the earliest send (times
-// truncated toward zero, as Python's int()); and the changes of requests in flight, +1 at a send
-// and -1 at start + latency, sorted with ends before starts at equal times. Empty (no buckets,
-// no changes) when nothing completed.
+// The run over time, with summarize()'s rules: completed requests only; output tokens (chunks at
+// start + ttft, then one after each gap, the request's output tokens spread evenly over its
+// chunks, as a chunk may carry several with speculative decoding) in 1 s buckets counted from the
+// earliest send (times truncated toward zero, as Python's int()); and the changes of requests in
+// flight, +1 at a send and -1 at start + latency, sorted with ends before starts at equal times.
+// Empty (no buckets, no changes) when nothing completed.
 struct Timeline {
   double origin = 0;    // earliest send
   double end = 0;       // latest start + latency

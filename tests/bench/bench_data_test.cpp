@@ -19,7 +19,9 @@
 #include "bench/metrics.h"
 #include "bench/report.h"
 #include "bench/rng.h"
+#include "bench/stream_measure.h"
 #include "bench/workload.h"
+#include "net/sse.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -1053,6 +1055,40 @@ TEST(BenchMetrics, SmallCasesByHand) {
   EXPECT_THROW(summarize(r, 0.0), Error);
   o.percentile_metrics = {"ttft", "latency"};
   EXPECT_THROW(summarize(r, 1.0, o), Error);
+}
+
+// With speculative decoding (MTP) a streamed chunk carries several tokens. Counting one token per
+// chunk put the peak output tokens per second below the mean output throughput: here ten chunks
+// of three tokens, all within the first second, are 30 tokens in that second, not 10.
+TEST(BenchMetrics, PeakOutputTokensCountEveryTokenOfAChunkThatCarriesSeveral) {
+  StreamMeasurement m(0.0, 8);
+  m.head(200);
+  for (int k = 0; k < 10; ++k)
+    m.body(net::sse_event(R"({"choices": [{"index": 0, "text": " a b c"}]})"), 0.05 + 0.08 * k);
+  m.body(net::sse_event(R"({"choices": [], "usage": {"completion_tokens": 30}})"), 0.9);
+  m.body(std::string(net::kSseDone), 0.9);
+  const std::vector<RequestResult> results = {m.done("", 0.9, 0.0)};
+  ASSERT_TRUE(results[0].success) << results[0].error;
+  ASSERT_EQ(results[0].itl_s.size(), 9u);
+  const BenchSummary s = summarize(results, 1.0);
+  EXPECT_DOUBLE_EQ(s.output_throughput, 30);
+  EXPECT_DOUBLE_EQ(s.max_output_tokens_per_s, 30);
+  EXPECT_GE(s.max_output_tokens_per_s, s.output_throughput);
+  // Spread over a second boundary: chunks at 0.5 .. 1.4 s, three each, split 15 / 15.
+  RequestResult late = results[0];
+  late.ttft_s = 0.5;
+  late.itl_s.assign(9, 0.1);
+  late.latency_s = 1.4;
+  const Timeline t = timeline(std::vector<RequestResult>{late});
+  ASSERT_EQ(t.busy_seconds.size(), 2u);
+  EXPECT_EQ(t.busy_seconds[0].second + t.busy_seconds[1].second, 30);
+  // A chunk more than the tokens (a role chunk first): the tokens, not the chunks, are counted.
+  RequestResult role = late;
+  role.output_tokens = 9;
+  const Timeline r = timeline(std::vector<RequestResult>{role});
+  int64_t counted = 0;
+  for (const auto& [second, tokens] : r.busy_seconds) counted += tokens;
+  EXPECT_EQ(counted, 9);
 }
 
 // vLLM names a percentile's key str(int(p)) when p is whole, else Python's str(p): the shortest

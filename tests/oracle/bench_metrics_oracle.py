@@ -72,10 +72,11 @@ def main():
         "total_token_throughput": (total_in + total_out) / dur,
     }
 
-    # Peak tokens per second in 1 s buckets from the first send; peak concurrency by brute
-    # force over every start time (an interval [s, e) is in flight at t when s <= t < e), the
-    # instantaneous peak of current vLLM's sweep over start and end events, not older vLLM's
-    # busiest 1 s bucket of requests touching that second.
+    # Peak tokens per second in 1 s buckets from the first send (unlike vLLM, which counts a
+    # chunk as one token); peak concurrency by brute force over every start time (an interval
+    # [s, e) is in flight at t when s <= t < e), the instantaneous peak of current vLLM's sweep
+    # over start and end events, not older vLLM's busiest 1 s bucket of requests touching that
+    # second.
     peak_tokens = 0.0
     peak_conc = 0
     if ok:
@@ -84,11 +85,14 @@ def main():
         n_buckets = int(np.ceil(t1 - t0)) + 1
         counts = np.zeros(n_buckets)
         for r in ok:
+            # A chunk may carry several tokens (speculative decoding): the output tokens are
+            # spread over the chunks, chunk k of C getting floor((k+1)T/C) - floor(kT/C).
             times = np.cumsum([r["start"] + r["ttft"]] + list(r["itl"]))
-            for t in times:
+            n_out, n_chunks = r["output_tokens"], len(times)
+            for k, t in enumerate(times):
                 b = int(t - t0)
                 if 0 <= b < n_buckets:
-                    counts[b] += 1
+                    counts[b] += (k + 1) * n_out // n_chunks - k * n_out // n_chunks
         peak_tokens = float(counts.max())
         for r in ok:
             t = r["start"]
