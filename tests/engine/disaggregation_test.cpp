@@ -621,7 +621,13 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
   EXPECT_NE(r.body.find("remote_host"), std::string::npos) << r.body;
   // Role checks: a prefill leg to a decode engine and the reverse are refused.
   EXPECT_EQ(post_json(d.port(), "/v1/completions", pre).status, 400);
-  EXPECT_EQ(decode_with(params).status, 200);  // failed attempts did not consume the hold
+  // The refused attempt with another prompt let the hold go from its decode engine: its gateway
+  // prefills the prompt again, and nothing pulls the hold any more. (The other refusals left it:
+  // a release of other blocks is refused too.) The right parameters then find it gone.
+  EXPECT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 0; }));
+  const auto gone = decode_with(params);
+  EXPECT_EQ(gone.status, 502) << gone.body;
+  EXPECT_EQ(api::openai_error_code(gone.body), api::kKvTransferExpiredCode) << gone.body;
   const auto again = post_json(p.port(), "/v1/completions",
                                json{{"prompt", tokens(5, 1)}, {"kv_transfer_params", params}});
   EXPECT_EQ(again.status, 400) << again.body;

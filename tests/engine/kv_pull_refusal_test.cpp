@@ -127,5 +127,44 @@ TEST(KvPullRefusal, APrefillEngineBusyForNowIsA503KvTransferBusyAndKeepsTheHold)
   EXPECT_TRUE(ended.releases.empty()) << "the hold a retry pulls was released";
 }
 
+// A pull the prefill engine answered with a refusal (here blocks that do not match its hold), or
+// that failed on this engine (here its --kv-transfer-allow), names no engine at fault: the
+// gateway prefills the prompt again, so nothing will pull this hold, and nothing else lets it go.
+// The decode engine releases it. It stayed held until the prefill engine's --kv-transfer-timeout.
+TEST(KvPullRefusal, AFailureThatNamesNoEngineReleasesTheHold) {
+  for (const std::string error :
+       {"remote_block_ids do not match the blocks held for transfer 'prefill-0-t0'",
+        "KV transfer from 10.0.0.7 refused: the host is not in --kv-transfer-allow"}) {
+    const PullEnded ended = end_a_pull_with(failed(error));
+    EXPECT_EQ(ended.output.finish_reason, "error") << error;
+    EXPECT_EQ(ended.output.error_status, 502) << error;
+    EXPECT_EQ(ended.output.error_code, "") << error;
+    ASSERT_EQ(ended.releases.size(), 1u) << error;
+    const FakeTransfers::Release& r = ended.releases[0];
+    EXPECT_EQ(r.host, "10.0.0.7");
+    EXPECT_EQ(r.port, 7100);
+    EXPECT_EQ(r.engine_id, "prefill-0");
+    EXPECT_EQ(r.transfer_id, "prefill-0-t0");
+    EXPECT_EQ(r.blocks, (std::vector<int32_t>{4, 5, 6}));
+  }
+}
+
+// The failures that carry a code leave the hold alone: a prefill engine at fault is told by the
+// gateway (it releases the KV of a leg that blamed its prefill engine), one that no longer holds
+// the transfer has nothing to release, and a busy one's hold is pulled again (above).
+TEST(KvPullRefusal, AFailureWithACodeLeavesTheHoldToWhoeverTheCodeTells) {
+  KvFetchResult fault = failed("the prefill engine did not answer within the handshake timeout");
+  fault.prefill_fault = true;
+  KvFetchResult gone = failed("unknown transfer 'prefill-0-t0'");
+  gone.transfer_gone = true;
+  for (const auto& [result, code] : {std::pair{fault, api::kKvTransferFailedCode},
+                                     std::pair{gone, api::kKvTransferExpiredCode}}) {
+    const PullEnded ended = end_a_pull_with(result);
+    EXPECT_EQ(ended.output.error_status, 502) << result.error;
+    EXPECT_EQ(ended.output.error_code, code) << result.error;
+    EXPECT_TRUE(ended.releases.empty()) << result.error;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::engine

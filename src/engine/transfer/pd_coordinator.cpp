@@ -117,8 +117,7 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     return;
   }
   if (!result.ok) {
-    // The hold stays on the prefill engine (a retry with the right parameters may still pull
-    // it, or it expires): out of awaiting_kv_ first, so that ending() does not release it.
+    // Out of awaiting_kv_ first, so that ending() does not release the hold: below decides.
     std::erase(awaiting_kv_, seq);
     // A prefill engine that died, hung or broke the protocol: the code says so, since a gateway
     // that counted it against this engine got every decode engine whose legs waited on a hung
@@ -134,6 +133,16 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     const std::string_view code = result.prefill_fault   ? api::kKvTransferFailedCode
                                   : result.transfer_gone ? api::kKvTransferExpiredCode
                                                          : std::string_view();
+    // After a code-less failure the gateway prefills the prompt again, and nothing pulls this
+    // hold any more; nor does anything else let it go (the gateway releases the KV of a leg that
+    // blamed its prefill engine, a transfer gone is no hold, and a busy engine's is pulled
+    // again): a refused pull (blocks or prompt that do not match, another pull under way, a
+    // layout or secret that differs) or this engine's own failure left it held until
+    // --kv-transfer-timeout. (A refusal a release meets as well, such as blocks that do not
+    // match, changes nothing: the hold expires as before.)
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    if (code.empty() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
+      agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
     host_.fail(seq, result.error, 502, std::string(code));
     return;
   }
