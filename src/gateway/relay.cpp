@@ -345,7 +345,11 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
                                       error_code == api::kKvTransferFailedCode ||
                                       error_code == api::kKvTransferBusyCode);
     if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
-    reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+    // A non-streaming answer that came whole (its call ended by itself) before a cut that
+    // crossed it (its engine's ejection, its deadline) reached the call: the answer stands.
+    const bool came_whole = error.empty() && !l.streaming && l.status == 200;
+    if (came_whole) whole_answer_timed_out = false;
+    reason = l.cancel_reason.empty() || came_whole ? error : l.cancel_reason;
   }
   if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
     // Once streaming, the gateway cancels the leg only because the client left (a failed

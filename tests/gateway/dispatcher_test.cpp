@@ -3504,6 +3504,39 @@ TEST(HealthMonitor, ALegCutForAnEjectionKeepsThatReasonWhenItsDeadlinePassesBefo
   EXPECT_THAT(client->error_message, testing::Not(testing::HasSubstr("timed out")));
 }
 
+// A cut (its engine's ejection, its deadline) that crosses a non-streaming leg's whole answer
+// (the answer arrived before the cancel reached the call, which then ended by itself) loses to
+// it: the client gets the answer, and no engine is asked again. The answer was dropped, and the
+// request retried on another engine (the ejection) or answered 504 (the deadline).
+TEST(HealthMonitor, AWholeAnswerThatCrossesItsLegsCutIsRelayed) {
+  for (const bool ejected : {true, false}) {
+    Topology t = aggregated({engine("a"), engine("b")});
+    t.health.failures_to_eject = 1;
+    t.health.probe_interval = milliseconds(1000);
+    t.timeouts.first_token = milliseconds(ejected ? 5000 : 500);
+    Cluster c(t);
+    c.health.start();
+    probes_answer(c);
+    auto client = c.send();
+    auto leg = c.engines.open("/v1/completions");
+    ASSERT_EQ(leg.size(), 1u) << ejected;
+    ASSERT_EQ(host_of(*leg[0]), "a") << ejected;
+    c.engines.answer_crossing_cancel = completion_answer("from a");
+    if (ejected) {
+      c.clock.advance_by(milliseconds(1000));
+      probes_answer(c, {"a"});
+    } else {
+      c.clock.advance_by(milliseconds(500));
+    }
+    c.clock.run_ready();
+    EXPECT_TRUE(leg[0]->cancelled) << ejected;
+    EXPECT_EQ(client->status, 200) << ejected;
+    EXPECT_EQ(client->body, completion_answer("from a")) << ejected;
+    EXPECT_EQ(c.engines.all("/v1/completions").size(), 1u) << ejected;
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0) << ejected;
+  }
+}
+
 // A drained engine is not ejected: its legs finish.
 TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
   Topology t = aggregated({engine("a"), engine("b")});
