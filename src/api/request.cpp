@@ -15,6 +15,7 @@
 #include "structured/ordered_json.h"
 #include "structured/tool_call_grammar.h"
 #include "text/jinja/value.h"
+#include "text/token_text.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -47,15 +48,10 @@ int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_defaul
 }
 
 // Prompt ids as echo shows them. As vLLM, a prompt may hold any id below the model's vocabulary
-// size, the rows a padded vocabulary adds past the tokenizer's ids included (DeepSeek-V3: 129280
-// rows, 128815 ids); those have no text and read as nothing, as transformers' decode skips ids
-// it does not know.
+// size, the rows a padded vocabulary adds past the tokenizer's ids included; those read as
+// nothing (text/token_text.h).
 std::string text_of_prompt_ids(const text::Tokenizer& tokenizer, std::span<const int32_t> ids) {
-  std::vector<int32_t> with_text;
-  with_text.reserve(ids.size());
-  for (int32_t id : ids)
-    if (tokenizer.id_to_token(id)) with_text.push_back(id);
-  return tokenizer.decode(with_text, false);
+  return tokenizer.decode(text::ids_with_text(tokenizer, ids), false);
 }
 
 // Fields that change what an answer must look like, which Tandem does not do yet. Accepting them

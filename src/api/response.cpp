@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "text/token_text.h"
 #include "util/random_id.h"
 #include "util/utf8.h"
 
@@ -13,9 +14,9 @@ using nlohmann::json;
 // As vLLM names a logprob's token: transformers' decode([id]), cleaned up when the tokenizer's
 // config says so (Llama 3: " ." shows as ".").
 std::string token_text(const text::Tokenizer& tok, int32_t id) {
-  // A prompt's id past the tokenizer's (a padded vocabulary's row, which vLLM accepts too) has
-  // no text: it shows as nothing, as transformers' decode skips ids it does not know.
-  if (!tok.id_to_token(id)) return std::string();
+  // A prompt's id past the tokenizer's (a padded vocabulary's row, which vLLM accepts too) shows
+  // as nothing (text/token_text.h).
+  if (!text::has_text(tok, id)) return std::string();
   std::string text = utf8::to_valid_lossy(tok.token_bytes(id));
   return tok.clean_up_tokenization_spaces() ? text::clean_up_tokenization(text) : text;
 }

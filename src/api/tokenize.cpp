@@ -6,6 +6,7 @@
 
 #include "api/body_fields.h"
 #include "api/error.h"
+#include "text/token_text.h"
 
 namespace tandem::api {
 namespace {
@@ -93,11 +94,8 @@ json detokenize_answer(const json& body, const text::Tokenizer& tokenizer,
       tokens->empty() ? std::vector<int32_t>{} : token_list(*tokens, "tokens", vocab);
   // vLLM answers with transformers' tokenizer.decode, which skips the ids its tokenizer has no
   // text for: a padded vocabulary's rows past the tokenizer's ids read back as nothing.
-  std::vector<int32_t> with_text;
-  with_text.reserve(ids.size());
-  for (int32_t id : ids)
-    if (tokenizer.id_to_token(id)) with_text.push_back(id);
-  return {{"prompt", tokenizer.decode_as_transformers(with_text, /*skip_special_tokens=*/false)}};
+  return {{"prompt", tokenizer.decode_as_transformers(text::ids_with_text(tokenizer, ids),
+                                                      /*skip_special_tokens=*/false)}};
 }
 
 }  // namespace tandem::api

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "engine/output_processor.h"
+#include "text/token_text.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -32,10 +33,7 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
 
   // Rows of the LM head beyond the tokenizer's ids (the vocabulary is padded, e.g. 129280 rows
   // for 128815 DeepSeek-V3 ids) can never be produced: they have no text.
-  std::vector<int32_t> no_text;
-  for (int64_t id = 0; id < config.vocab_size; ++id)
-    if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
-      no_text.push_back(static_cast<int32_t>(id));
+  const std::vector<int32_t> no_text = text::ids_without_text(tokenizer, config.vocab_size);
   std::vector<int32_t> config_eos;
   for (const int64_t id : config.eos_token_ids) config_eos.push_back(static_cast<int32_t>(id));
   const std::vector<int32_t> eos = eos_ids(tokenizer, eos_token_ids.value_or(config_eos));

@@ -62,13 +62,6 @@ void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t
   std::memcpy(cache.block_layer(block, layer), bytes.data(), bytes.size());
 }
 
-std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size) {
-  std::vector<int32_t> out;
-  for (int64_t id = 0; id < vocab_size; ++id)
-    if (!tokenizer.id_to_token(static_cast<int32_t>(id))) out.push_back(static_cast<int32_t>(id));
-  return out;
-}
-
 void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_text) {
   for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
 }

@@ -10,6 +10,7 @@
 
 #include "engine/executor/executor.h"
 #include "model/deepseek.h"
+#include "text/token_text.h"
 #include "text/tokenizer.h"
 
 namespace tandem::engine {
@@ -32,7 +33,7 @@ void routes_this_step(const std::vector<std::vector<uint64_t>>& counts, const Ex
                       std::vector<uint64_t>& seen, std::vector<int64_t>& out);
 
 // Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
-std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
+using text::ids_without_text;
 // Sets those ids' logits to -inf, so neither sampling nor a draft proposal picks them.
 void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_text);
 
