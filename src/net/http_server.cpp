@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "net/body_read_deadline.h"
@@ -39,6 +40,11 @@ constexpr size_t kReadChunk = 16384;
 // it closes.
 constexpr std::chrono::milliseconds kDrainTime{2000};
 constexpr size_t kDrainBytes = size_t{1} << 20;
+// What a request waiting for its answer may hold beyond its body: a larger read buffer (grown by
+// a large body's reads) is given back, and so is a larger spare capacity of the body (a chunked
+// body grows by doubling). Waiting may be long (a gateway's queue), and each waiting request
+// would keep them.
+constexpr size_t kKeptSlackBytes = size_t{64} << 10;
 
 // The connection cap when none is configured: three quarters of the file descriptor limit, so a
 // flood of connections leaves the process descriptors for its upstream connections and files.
@@ -106,7 +112,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
         connection_(&connection),
         out_(std::move(buffer)) {}
 
-  const HttpRequest request;
+  HttpRequest request;  // changed by Exchange::take_body() only
   const ErrorFormatter format_error;
 
   // --- producer side (any thread) ---
@@ -320,6 +326,10 @@ Exchange::~Exchange() {
 
 const HttpRequest& Exchange::request() const {
   return state_->request;
+}
+
+std::string Exchange::take_body() {
+  return std::exchange(state_->request.body, std::string());
 }
 
 bool Exchange::respond(HttpResponse response) {
@@ -754,6 +764,10 @@ void Connection::dispatch() {
   read_deadline_ = 0;
   body_deadline_.reset();
   arm_deadlines();  // no timeout while the server waits for its handler, unless it writes
+  if (request_.body.capacity() - request_.body.size() > kKeptSlackBytes) {
+    request_.body.shrink_to_fit();
+  }
+  if (in_.empty() && in_.room() > kKeptSlackBytes) in_.release_if_empty();
   const bool keep_alive = head_.keep_alive && !server_.stopping();
   exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
                                               std::move(spare_), server_.options().error_response,

@@ -51,6 +51,11 @@ class Exchange {
   Exchange& operator=(const Exchange&) = delete;
 
   const HttpRequest& request() const;
+  // Moves the request's body out (request().body is empty afterwards), for a handler that keeps
+  // the body beyond its call, as a queue does: a copy would hold it twice for as long as the
+  // request waits (up to max_body_bytes each). Only on the handler's thread, before anything else
+  // may read request().body.
+  std::string take_body();
 
   // A complete response.
   bool respond(HttpResponse response);

@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -371,6 +372,102 @@ TEST(HttpServer, ErrorsArePlainTextUnlessAnErrorBodyIsInstalled) {
   r = client.request("POST", "/x", "");
   EXPECT_EQ(r.status, 422);
   EXPECT_EQ(r.body, "no such thing\n");
+}
+
+// A handler that keeps the body beyond its call (a gateway's queue) takes the server's own
+// buffer, so a waiting request holds its body once, not once in the exchange and once in a copy.
+TEST(HttpServer, AHandlerTakesTheBodyItselfNotACopy) {
+  HttpServer server(local_options());
+  std::promise<bool> moved;
+  std::promise<std::string> taken;
+  server.route("POST", "/x", [&](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+    const char* buffer = request.body.data();
+    std::string body = ex->take_body();
+    moved.set_value(body.data() == buffer && ex->request().body.empty());
+    ex->respond(200, "{}");
+    taken.set_value(std::move(body));
+  });
+  server.start();
+  const std::string body(size_t{1} << 20, 'b');
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body);
+  EXPECT_EQ(status_of(c.read_all()), 200);
+  auto was_moved = moved.get_future();
+  auto got = taken.get_future();
+  EXPECT_TRUE(get_within(was_moved));
+  EXPECT_EQ(get_within(got), body);
+}
+
+// A chunked body grows as it arrives (doubling its buffer); a request that waits for its answer
+// holds no more than its body's size, not up to twice it.
+TEST(HttpServer, AWaitingChunkedBodyHoldsItsSizeNotItsGrowth) {
+  HttpServer server(local_options());
+  std::promise<std::pair<size_t, size_t>> held;  // size, capacity
+  server.route("POST", "/x", [&](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+    held.set_value({request.body.size(), request.body.capacity()});
+    ex->respond(200, "{}");
+  });
+  server.start();
+  const size_t size = 1'000'000, piece = 10'000;
+  std::string wire =
+      "POST /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n";
+  char line[32];
+  for (size_t at = 0; at < size; at += piece) {
+    std::snprintf(line, sizeof line, "%zx\r\n", piece);
+    wire += line + std::string(piece, 'b') + "\r\n";
+  }
+  wire += "0\r\n\r\n";
+  RawConnection c(server.port());
+  c.send(wire);
+  EXPECT_EQ(status_of(c.read_all()), 200);
+  auto got = held.get_future();
+  const auto [body_size, capacity] = get_within(got);
+  EXPECT_EQ(body_size, size);
+  EXPECT_LE(capacity, size + (size_t{64} << 10));
+}
+
+// Heap bytes in use, over every arena and mmapped block.
+size_t heap_in_use() {
+  const struct mallinfo2 info = ::mallinfo2();
+  return info.uordblks + info.hblkhd;
+}
+
+// The connection's read buffer grows with a large body's reads (to a few hundred KiB); while the
+// request waits for its answer (in a queue, maybe for long) the connection must not keep it: each
+// waiting request costs its body and little more.
+TEST(HttpServer, AWaitingRequestDoesNotKeepTheReadBufferOfItsLargeBody) {
+  HttpServer server(local_options());
+  const size_t requests = 4, size = size_t{1} << 20;
+  std::mutex mu;
+  std::condition_variable arrived;
+  std::vector<std::shared_ptr<Exchange>> waiting;
+  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    std::lock_guard lock(mu);
+    waiting.push_back(std::move(ex));
+    arrived.notify_all();
+  });
+  server.start();
+  const std::string wire =
+      "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: " + std::to_string(size) + "\r\n\r\n" +
+      std::string(size, 'b');
+  std::vector<std::unique_ptr<RawConnection>> clients;
+  clients.reserve(requests);
+  const size_t before = heap_in_use();
+  for (size_t i = 0; i < requests; ++i) {
+    clients.push_back(std::make_unique<RawConnection>(server.port()));
+    clients.back()->send(wire);
+  }
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(arrived.wait_for(lock, 10s, [&] { return waiting.size() == requests; }));
+  }
+  const size_t held = heap_in_use() - before;
+  EXPECT_LE(held, requests * (size + (size_t{64} << 10))) << held / requests << " per request";
+  std::lock_guard lock(mu);
+  for (auto& ex : waiting) ex->respond(200, "{}");
+  waiting.clear();
 }
 
 TEST(HttpServer, OversizedBodyIs413) {
