@@ -284,5 +284,40 @@ TEST_F(APrefillBehindASlowLookup, AnswersThePullAndIsNotBlamed) {
   EXPECT_THAT(r.error, ::testing::Not(HasSubstr("did not answer")));
 }
 
+// A release of held KV (a pull of nothing) is bounded by the handshake timeout as a whole too, and
+// that clock too starts after this host's name lookup: a healthy prefill engine reached after a
+// lookup longer than the timeout gets the release and frees the KV. The release gave up at its
+// first check, so the prefill engine held the KV until --kv-transfer-timeout.
+TEST_F(APrefillBehindASlowLookup, GetsAReleaseAndFreesTheKv) {
+  KvTransferConfig p;
+  p.engine_id = "prefill-0";
+  p.listen_host = "127.0.0.1";
+  p.port = 0;
+  p.advertise_host = "127.0.0.1";
+  p.timeout_s = kTransferTimeoutS;  // the hold outlives the wait below: only the release frees it
+  p.transport = KvTransportKind::kTcp;
+  std::promise<void> freed;
+  auto future = freed.get_future();
+  KvTransferAgent prefill(p, executor_, make_tcp_transport(), prefill_registry_,
+                          [](KvTransfers::Task t) { t(); });
+  ASSERT_TRUE(prefill.serving());
+  const std::string id = prefill.hold({5, 2, 9}, 1234, 11, [&freed] { freed.set_value(); });
+
+  KvTransferConfig d;
+  d.engine_id = "decode-0";
+  d.port = -1;
+  d.timeout_s = kTransferTimeoutS;
+  d.handshake_timeout_s = kHandshakeTimeoutS;
+  d.transport = KvTransportKind::kTcp;
+  TcpTransportOptions io;
+  io.io_timeout = std::chrono::milliseconds(int64_t(kTransferTimeoutS * 1000));
+  const auto lookup = std::chrono::milliseconds(int64_t(3 * kHandshakeTimeoutS * 1000));
+  KvTransferAgent decode(d, executor_, std::make_unique<SlowLookupTransport>(lookup, io), registry_,
+                         [](KvTransfers::Task t) { t(); });
+  decode.release_remote("127.0.0.1", prefill.port(), "prefill-0", id, {5, 2, 9});
+  get_within(future, kOutcomeGuard, "the release behind a slow lookup never reached the prefill");
+  EXPECT_EQ(prefill.held_blocks(), 0);
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -2003,9 +2003,9 @@ TEST_F(KvTransferOverShm, ARefusalIsToldEvenWhenThePeerClosedBeforeTheFirstFrame
 }
 
 // A client may name any host in a decode leg that is then refused; each refusal asks that host
-// to release the hold. Against a host that accepts and never answers, the releases sent at once
-// are bounded in number, those waiting their turn too (past that they are dropped and counted),
-// and the engine still shuts down at once.
+// to release the hold. Against a host that accepts and never answers, the releases sent to it at
+// once are bounded in number (4), those waiting their turn for it too (1024; past that they are
+// dropped and counted), and the engine still shuts down at once.
 TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
   decode_io_timeout_ = 600s;
   handshake_timeout_s_ = 600;  // what bounds a release: only the shutdown can end them here
@@ -2020,43 +2020,87 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
       accepted.push_back(std::move(c));
     }
   });
-  for (int i = 0; i < 16 + 4096 + 3; ++i)
+  for (int i = 0; i < 4 + 1024 + 3; ++i)
     decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
                             {1, 2});
   const auto count = [&] {
     std::lock_guard lock(m);
     return accepted.size();
   };
-  EXPECT_TRUE(queue_.run_until([&] { return count() >= 16; }));
+  EXPECT_TRUE(queue_.run_until([&] { return count() >= 4; }));
   EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_releases_dropped_total"), 3);
   auto shutdown = std::async(std::launch::async, [&] { decode_.reset(); });
   get_within(shutdown, kHangGuard, "the engine waited for releases nobody answers");
-  EXPECT_EQ(count(), 16u);
+  EXPECT_EQ(count(), 4u);
   listener->close();
   acceptor.join();
 }
 
-// A black-holed prefill host (its SYNs dropped: here a listener whose accept queue is full) holds
-// each release to it for the handshake timeout (1 s), not the I/O timeout (600 s): the 16 senders
-// all waiting on it held a release to a healthy engine queued behind them for that long.
+// A burst of releases to a hung prefill engine (it accepts and never answers, as a stopped
+// process's kernel does) takes at most 4 of the 16 senders: a release to a healthy engine goes at
+// once, not after the hung engine's handshake timeouts (600 s here: never within the test). The
+// burst took every sender, one after another, and the healthy engine's release waited behind it.
+TEST_F(KvTransferAgents, AHungPrefillEngineHoldsUpOnlyItsOwnReleases) {
+  decode_io_timeout_ = 600s;
+  handshake_timeout_s_ = 600;
+  start(600);  // the hold does not expire: only the release frees it
+  auto hung = make_tcp_transport({600s});
+  auto listener = hung->listen("127.0.0.1", 0);
+  std::mutex m;
+  std::vector<std::unique_ptr<KvConnection>> accepted;
+  std::thread acceptor([&] {
+    while (auto c = listener->accept()) {
+      std::lock_guard lock(m);
+      accepted.push_back(std::move(c));
+    }
+  });
+  for (int i = 0; i < 100; ++i)
+    decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
+                            {1, 2});
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  decode_->release_remote("127.0.0.1", prefill_->port(), "prefill-0", id, remote_);
+  EXPECT_TRUE(queue_.run_until([&] { return released; }))
+      << "the release to the healthy engine waited behind the hung one's";
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  {
+    std::lock_guard lock(m);
+    EXPECT_LE(accepted.size(), 4u);
+  }
+  auto shutdown = std::async(std::launch::async, [&] { decode_.reset(); });
+  get_within(shutdown, kHangGuard, "the engine waited for releases nobody answers");
+  listener->close();
+  acceptor.join();
+}
+
+// Black-holed prefill hosts (their SYNs dropped: here listeners whose accept queues are full) hold
+// each release to them for the handshake timeout (1 s), not the I/O timeout (600 s): 16 releases
+// to four of them (each takes 4 senders at most), all the senders there are, held a release to a
+// healthy engine queued behind them for that long.
 TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTimeout) {
   decode_io_timeout_ = 600s;
   handshake_timeout_s_ = 1;
   start();
-  const int hole = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(hole, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof a;
-  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(hole, 0), 0);
-  ASSERT_EQ(::getsockname(hole, reinterpret_cast<sockaddr*>(&a), &length), 0);
-  // Fill its accept queue (never accepted): the kernel drops every later SYN.
-  std::vector<int> fillers;
-  for (int i = 0; i < 4; ++i) {
-    fillers.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    ::connect(fillers.back(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  std::vector<int> holes, fillers;
+  std::vector<uint16_t> hole_ports;
+  for (int h = 0; h < 4; ++h) {
+    const int hole = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(hole, 0);
+    holes.push_back(hole);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof a;
+    ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::listen(hole, 0), 0);
+    ASSERT_EQ(::getsockname(hole, reinterpret_cast<sockaddr*>(&a), &length), 0);
+    hole_ports.push_back(ntohs(a.sin_port));
+    // Fill its accept queue (never accepted): the kernel drops every later SYN.
+    for (int i = 0; i < 4; ++i) {
+      fillers.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      ::connect(fillers.back(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+    }
   }
   auto peer = make_tcp_transport({60s});
   auto healthy = peer->listen("127.0.0.1", 0);
@@ -2065,16 +2109,16 @@ TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTime
     while (auto c = healthy->accept()) reached = true;
   });
   for (int i = 0; i < 16; ++i)
-    decode_->release_remote("127.0.0.1", ntohs(a.sin_port), "prefill-9", "t-" + std::to_string(i),
-                            {1, 2});
+    decode_->release_remote("127.0.0.1", hole_ports[size_t(i % 4)], "prefill-9",
+                            "t-" + std::to_string(i), {1, 2});
   decode_->release_remote("127.0.0.1", healthy->port(), "prefill-9", "t-healthy", {1, 2});
   EXPECT_TRUE(queue_.run_until([&] { return reached.load(); }))
-      << "the release to the healthy engine waited behind the unreachable one";
+      << "the release to the healthy engine waited behind the unreachable ones";
   decode_.reset();
   healthy->close();
   acceptor.join();
   for (int fd : fillers) ::close(fd);
-  ::close(hole);
+  for (int fd : holes) ::close(fd);
 }
 
 // A release is bounded by the handshake timeout (1 s) as a whole: a host that answers it with a

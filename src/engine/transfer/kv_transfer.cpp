@@ -47,6 +47,13 @@ constexpr int64_t kMaxWorkers = kMaxConnections + 128;
 // counted; the prefill engine frees what nobody releases when it expires anyway.
 constexpr int64_t kMaxReleases = 16;
 constexpr size_t kMaxQueuedReleases = 4096;
+// Of those, to one prefill engine (host and port): a hung one holds each of its senders for the
+// handshake timeout, and a burst to it (a gateway cancelling the legs of a prefill engine it just
+// ejected) took every sender, so that releases to healthy engines waited behind it. Its others
+// wait their turn, at most a quarter of the queue of them (past that dropped and counted).
+constexpr int64_t kMaxReleasesPerPeer = 4;
+constexpr size_t kMaxQueuedReleasesPerPeer = kMaxQueuedReleases / 4;
+static_assert(kMaxReleasesPerPeer < kMaxReleases);
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 // How often a prefill engine serving a registered room looks whether its decode engine is still
@@ -484,8 +491,8 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
                            model),
       registry.int_counter("tandem:kv_transfer_releases_dropped_total",
                            "Decode side: messages letting a prefill engine's held KV go that were "
-                           "dropped, too many being queued (the prefill engine frees it at its "
-                           "timeout)",
+                           "dropped, too many being queued, in all or for that prefill engine (it "
+                           "frees the KV at its timeout)",
                            model)});
   if (!(config_.handshake_timeout_s > 0)) throw Error("the KV handshake timeout must be positive");
   if (config_.port >= 0) {
@@ -1250,49 +1257,82 @@ void KvTransferAgent::abandon_room(const std::string& host, uint16_t port, uint6
 void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFrameType type,
                                    std::string request) {
   if (!kv_peer_allowed(config_.allow, host)) return;
+  QueuedRelease release{host, port, type, std::move(request)};
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return;
-    if (releasing_ >= kMaxReleases) {
-      if (queued_releases_.size() >= kMaxQueuedReleases) {
+    ReleasePeer& peer = release_peers_[release.peer()];
+    if (releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer) {
+      if (queued_releases_.size() >= kMaxQueuedReleases ||
+          peer.queued >= kMaxQueuedReleasesPerPeer) {
         metrics_->releases_dropped.inc();
+        forget_idle_release_peer_locked(release.peer());
         return;
       }
-      queued_releases_.push_back({host, port, type, std::move(request)});
+      ++peer.queued;
+      queued_releases_.push_back(std::move(release));
       return;
     }
     ++releasing_;
+    ++peer.sending;
   }
-  // One sender: this message, then the queued ones, until none is left.
-  auto sender = [this, first = QueuedRelease{host, port, type, std::move(request)}]() mutable {
+  // One sender: this message, then queued ones whose engine has a sender to spare, until none is
+  // left. A queued message always finds one: its engine has senders (at most kMaxReleasesPerPeer,
+  // which take it up as they end), or every sender is busy (the first to end takes it up).
+  auto sender = [this, first = std::move(release)]() mutable {
     std::optional<QueuedRelease> next = std::move(first);
     while (next) {
       send_release(*next);
       std::lock_guard lock(mutex_);
-      next.reset();
-      if (!stopping_ && !queued_releases_.empty()) {
-        next = std::move(queued_releases_.front());
-        queued_releases_.pop_front();
-      } else {
-        --releasing_;
-      }
+      --release_peers_[next->peer()].sending;
+      forget_idle_release_peer_locked(next->peer());
+      next = stopping_ ? std::nullopt : next_release_locked();
+      if (!next) --releasing_;
     }
   };
   if (!spawn(std::move(sender))) {
     std::lock_guard lock(mutex_);
     --releasing_;
+    --release_peers_[host + ":" + std::to_string(port)].sending;
+    forget_idle_release_peer_locked(host + ":" + std::to_string(port));
   }
+}
+
+std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_locked() {
+  for (auto it = queued_releases_.begin(); it != queued_releases_.end(); ++it) {
+    ReleasePeer& peer = release_peers_[it->peer()];
+    if (peer.sending >= kMaxReleasesPerPeer) continue;
+    --peer.queued;
+    ++peer.sending;
+    QueuedRelease next = std::move(*it);
+    queued_releases_.erase(it);
+    return next;
+  }
+  return std::nullopt;
+}
+
+void KvTransferAgent::forget_idle_release_peer_locked(const std::string& peer) {
+  auto it = release_peers_.find(peer);
+  if (it != release_peers_.end() && it->second.sending == 0 && it->second.queued == 0)
+    release_peers_.erase(it);
 }
 
 void KvTransferAgent::send_release(const QueuedRelease& r) {
   std::shared_ptr<KvConnection> conn;
   const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   // The connect too is bounded by the handshake timeout, not the transport's I/O timeout: one
-  // unreachable host would otherwise hold every release queued behind it for that long.
-  const auto deadline = Clock::now() + handshake;
+  // unreachable host would otherwise hold every release queued behind it for that long. The clock
+  // starts as run_fetch's does: once the transport asks whether to give up (after it resolved the
+  // host and began to connect), else once it connected. A slow name lookup on this host took the
+  // whole bound, and the release gave up at once though the prefill engine was there.
+  std::optional<Clock::time_point> started;
+  const auto deadline = [&] {
+    if (!started) started = Clock::now() + handshake;
+    return *started;
+  };
   try {
-    conn = transport_->connect(r.host, r.port, [this, deadline] {
-      if (Clock::now() >= deadline) return true;
+    conn = transport_->connect(r.host, r.port, [this, &deadline] {
+      if (Clock::now() >= deadline()) return true;
       std::lock_guard lock(mutex_);
       return stopping_;
     });
@@ -1303,7 +1343,7 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
     }
     // One bound for the whole exchange, not one per call: a host that keeps answering with
     // frames other than the last would hold this sender for as many timeouts as it has frames.
-    conn->set_deadline(deadline);
+    conn->set_deadline(deadline());
     conn->set_timeout(handshake);
     std::string session;
     if (!config_.secret.empty())

@@ -59,6 +59,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -253,9 +254,11 @@ class KvTransferAgent final : public KvTransfers {
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
   // zero tokens), in the background; failures are ignored (the hold expires anyway). At most
   // kMaxReleases run at once, each bounded by the handshake timeout as a whole (connect,
-  // handshake and answer); more wait their turn, up to kMaxQueuedReleases, and past that are
-  // dropped and counted (a client naming a silent host in many refused requests must not tie up
-  // the transfer threads).
+  // handshake and answer, its clock started once the host's name is resolved); more wait their
+  // turn, up to kMaxQueuedReleases, and past that are dropped and counted (a client naming a
+  // silent host in many refused requests must not tie up the transfer threads). Of those,
+  // kMaxReleasesPerPeer at once go to one prefill engine and kMaxQueuedReleasesPerPeer wait for
+  // it: a hung one holds up only its own.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
@@ -294,8 +297,13 @@ class KvTransferAgent final : public KvTransfers {
     uint16_t port = 0;
     KvFrameType type{};
     std::string request;
+    std::string peer() const { return host + ":" + std::to_string(port); }  // the engine told
   };
   void send_release(const QueuedRelease& r);  // on a worker; failures are ignored
+  // Under mutex_: the first queued message whose engine has a sender to spare, counted as sent.
+  std::optional<QueuedRelease> next_release_locked();
+  // Under mutex_: forgets `peer` when nothing is sent or queued for it.
+  void forget_idle_release_peer_locked(const std::string& peer);
   struct FetchSlot {
     std::shared_ptr<KvConnection> conn;
     bool cancelled = false;
@@ -345,6 +353,11 @@ class KvTransferAgent final : public KvTransfers {
   int64_t releasing_ = 0;                                // tell_prefill senders running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
   std::deque<QueuedRelease> queued_releases_;            // waiting for a sender
+  struct ReleasePeer {
+    int64_t sending = 0;  // tell_prefill senders at work on its messages
+    size_t queued = 0;    // of queued_releases_
+  };
+  std::unordered_map<std::string, ReleasePeer> release_peers_;  // by QueuedRelease::peer()
   std::thread accept_thread_, reap_thread_;
 };
 
