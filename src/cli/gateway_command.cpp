@@ -2,10 +2,13 @@
 
 #include <chrono>
 #include <cstdio>
+#include <iomanip>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <tuple>
 
+#include "cli/gateway_capacity_flags.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
@@ -24,11 +27,9 @@ struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
                       model, served_model_name, admin_api_key, metrics_api_key, engine_api_key,
                       access_log, priority_classes;
-  int port = 8080, http_threads = 2;
+  int port = 8080;
   bool reuse_port = false;
-  size_t max_queue = 1024, max_connections = 0, max_connections_per_address = 0;
-  size_t max_unsent_bytes = gateway::Topology{}.max_unsent_bytes,
-         max_answer_bytes = gateway::Topology{}.max_answer_bytes;
+  GatewayCapacityFlags capacity;
   MaxTokensFlags max_tokens;
   GenerationConfigFlags generation_config;  // the engines' (as `tandem engine` takes them)
   std::vector<std::string> prefill, decode, api_keys;
@@ -43,12 +44,7 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
   const auto given = [&](const char* flag) { return !from_file || cmd.count(flag) > 0; };
   if (given("--host")) t.host = o.host;
   if (given("--port")) t.port = static_cast<uint16_t>(o.port);
-  if (given("--http-threads")) t.io_threads = o.http_threads;
-  if (given("--max-connections")) t.max_connections = o.max_connections;
-  if (given("--max-connections-per-address"))
-    t.max_connections_per_address = o.max_connections_per_address;
-  if (given("--max-unsent-bytes")) t.max_unsent_bytes = o.max_unsent_bytes;
-  if (given("--max-answer-bytes")) t.max_answer_bytes = o.max_answer_bytes;
+  apply_gateway_capacity_flags(t, o.capacity, cmd, from_file);
   if (given("--served-model-name")) t.served_model_name = o.served_model_name;
   // The key flags replace the file's keys (ignored, a flag meant to guard would guard nothing).
   if (given("--api-key")) t.api_keys = o.api_keys;
@@ -56,7 +52,6 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
   if (given("--metrics-api-key")) t.metrics_api_key = o.metrics_api_key;
   if (given("--engine-api-key")) t.engine_api_key = o.engine_api_key;
   if (given("--access-log")) t.access_log = o.access_log;
-  if (given("--max-queue")) t.max_queue = o.max_queue;
   if (given("--max-tokens-limit")) t.max_tokens_limit = o.max_tokens.limit;
   if (given("--default-max-tokens")) t.default_max_tokens = o.max_tokens.default_value;
   apply_gateway_failure_flags(t, o.failure, cmd, from_file);
@@ -159,13 +154,18 @@ void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags,
   }
   CLI::Option* timeout = cmd.add_option("--upstream-timeout", flags.upstream_timeout, timeout_help);
   if (unset == UpstreamTimeoutUnset::kFlagDefault) timeout->capture_default_str();
-  timeout->check(finite_seconds())
-      ->check(positive_number())
-      // Rounded to milliseconds: less would be none.
-      ->check(at_least_a_millisecond())
-      // The topology's bound on durations (about 24.8 days); beyond it the conversion to
-      // milliseconds could overflow before validation sees the value.
-      ->check(CLI::Range(0.0, 2147483.647));
+  // At least a millisecond: it is rounded to milliseconds, and less would be none. At most the
+  // topology's bound on durations (about 24.8 days); beyond it the conversion to milliseconds
+  // could overflow before validation sees the value.
+  constexpr double kShortest = 0.001, kLongest = 2147483.647;
+  // As CLI::Range says it, but with every digit: "2147483.647", not "2.14748e+06".
+  std::ostringstream range;
+  range << std::setprecision(10) << "FLOAT in [" << kShortest << " - " << kLongest << "]";
+  timeout
+      ->check(finite_seconds())
+      // Its message says why below a millisecond is refused; the range shows the bound.
+      ->check(at_least_a_millisecond().description(""))
+      ->check(CLI::Range(kShortest, kLongest).description(range.str()));
 }
 
 void apply_gateway_failure_flags(gateway::Topology& t, const GatewayFailureFlags& flags,
@@ -230,32 +230,8 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--override-generation-config", o->generation_config.overrides,
                   "the engines' --override-generation-config (a JSON object): its "
                   "max_new_tokens caps every request where the gateway tokenizes");
-  cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
-      ->capture_default_str();
+  add_gateway_capacity_flags(*cmd, o->capacity);
   add_gateway_failure_flags(*cmd, o->failure, UpstreamTimeoutUnset::kFlagDefault);
-  cmd->add_option("--max-connections", o->max_connections,
-                  "client connections held at once; past it new ones are closed at once "
-                  "(0: three quarters of the file descriptor limit)")
-      ->capture_default_str();
-  cmd->add_option("--max-connections-per-address", o->max_connections_per_address,
-                  "of those, held at once from one client address; past it its new ones are "
-                  "closed at once (0: no limit; leave it behind a proxy or load balancer)")
-      ->capture_default_str();
-  const auto held_bytes = CLI::Range(size_t{1}, gateway::kMaxHeldBytesLimit);
-  cmd->add_option("--max-unsent-bytes", o->max_unsent_bytes,
-                  "a streaming client this many bytes behind its stream is cut as stalled, and "
-                  "its engine legs cancelled (listen.max_unsent_bytes)")
-      ->capture_default_str()
-      ->check(held_bytes);
-  cmd->add_option("--max-answer-bytes", o->max_answer_bytes,
-                  "the largest non-streamed answer, or event of a stream, the gateway holds to "
-                  "relay; a larger answer or first event is refused with 502 answer_too_large, a "
-                  "larger later event cuts the stream (max_answer_bytes)")
-      ->capture_default_str()
-      ->check(held_bytes);
-  cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
-      ->capture_default_str()
-      ->check(CLI::Range(1, gateway::kMaxIoThreads));
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }

@@ -21,6 +21,7 @@
 
 #include "cli/engine_child.h"
 #include "cli/engine_command.h"
+#include "cli/gateway_capacity_flags.h"
 #include "cli/gateway_command.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
@@ -50,6 +51,7 @@ struct ServeOptions {
   MaxTokensFlags max_tokens;
   GenerationConfigFlags generation_config;  // passed to every engine
   GatewayFailureFlags gateway_failure;      // `tandem gateway`'s, for every gateway replica
+  GatewayCapacityFlags gateway_capacity;    // likewise
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
       gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
@@ -316,6 +318,8 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   // As over a --config file: a flag given replaces the setting, the others keep the topology's
   // own (a stream's idle bound of 120 s, not --upstream-timeout's 300 s default).
   apply_gateway_failure_flags(g, o.gateway_failure, cmd, /*only_given=*/true);
+  // As `tandem gateway` without --config: every flag, given or by default (each replica copies g).
+  apply_gateway_capacity_flags(g, o.gateway_capacity, cmd, /*only_given=*/false);
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
@@ -461,7 +465,9 @@ void add_serve_command(CLI::App& app) {
                   "for stdout");
   cmd->add_option("--gateways", o->gateways,
                   "gateway replicas behind the one port (SO_REUSEPORT), each with its share of "
-                  "the engines' in-flight limits; an admin change through one applies to all")
+                  "the engines' in-flight limits; an admin change through one applies to all; "
+                  "each takes --max-queue, --max-connections, --max-connections-per-address and "
+                  "--http-threads for itself")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   cmd->add_option("--priority-classes", o->priority_classes,
@@ -482,6 +488,7 @@ void add_serve_command(CLI::App& app) {
                   "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
+  add_gateway_capacity_flags(*cmd, o->gateway_capacity);  // checked as the command line is read
   // Checked as the command line is read; applied only when given (see run).
   add_gateway_failure_flags(*cmd, o->gateway_failure, UpstreamTimeoutUnset::kTopologyDefaults);
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);

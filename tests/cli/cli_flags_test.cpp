@@ -24,6 +24,34 @@ using ::testing::Not;
 using test::Result;
 using test::run;
 
+// A flag's help in `help`: its line (name, type, bounds and default, and what it does when that
+// fits) and the indented lines that go on with it; "" when `help` has no such flag.
+std::string help_of(const std::string& help, const std::string& flag) {
+  const size_t at = help.find("  " + flag + " ");
+  if (at == std::string::npos) return std::string();
+  size_t end = help.find('\n', at);
+  while (end != std::string::npos && help.compare(end + 1, 4, "    ") == 0)
+    end = help.find('\n', end + 1);
+  return help.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+// Values of the gateway's capacity flags that both `tandem gateway` and `tandem serve` refuse, and
+// what they say. A negative count read as the largest size_t (CLI11's strtoull), and a number past
+// 2^64 as that too: an unbounded limit that looked like a typo's refusal.
+const std::pair<const char*, const char*> kBadCapacityFlags[] = {
+    {"--max-queue 0", "--max-queue: Value 0 not in range 1 to 2147483647"},
+    {"--max-queue -1", "--max-queue: Value -1 not in range 1 to 2147483647"},
+    {"--max-queue 99999999999999999999999", "--max-queue: Value 99999999999999999999999 not in"},
+    {"--max-connections -1", "--max-connections: Value -1 not in range 0 to 2147483647"},
+    {"--max-connections-per-address -1",
+     "--max-connections-per-address: Value -1 not in range 0 to 2147483647"},
+    {"--max-unsent-bytes 0", "--max-unsent-bytes: Value 0 not in range 1 to 17179869184"},
+    {"--max-answer-bytes 17179869185",
+     "--max-answer-bytes: Value 17179869185 not in range 1 to 17179869184"},
+    {"--http-threads 0", "--http-threads: Value 0 not in range 1 to 64"},
+    {"--http-threads 65", "--http-threads: Value 65 not in range 1 to 64"},
+};
+
 // CLI11's own positive-number check answered 0 with "Value 0 not in range 0.000000 to " and the
 // largest double in 309 digits: the flags say what they want, named, before any model loads.
 TEST(CliFlags, RangeErrorsSayWhatTheFlagWants) {
@@ -179,12 +207,6 @@ TEST(CliFlags, ServeChecksADanglingAccessLogSymlinkAtItsTarget) {
 TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythingStarts) {
   const std::string gateway_help = run("gateway --help").output;
   const std::string serve_help = run("serve --help").output;
-  // The flag's two help lines (its name, type, bounds and default, then what it does).
-  const auto help_of = [](const std::string& help, const std::string& flag) {
-    const size_t at = help.find("  " + flag + " ");
-    if (at == std::string::npos) return std::string();
-    return help.substr(at, help.find('\n', help.find('\n', at) + 1) - at);
-  };
   const std::string gateway_retries = help_of(gateway_help, "--prefill-retries");
   ASSERT_FALSE(gateway_retries.empty()) << gateway_help;
   EXPECT_THAT(serve_help, HasSubstr(gateway_retries));
@@ -205,7 +227,7 @@ TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythin
   const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
   for (const auto& [flags, said] : {
            std::pair{"--upstream-timeout 0",
-                     "--upstream-timeout: must be a positive number, got 0"},
+                     "--upstream-timeout: must be at least 0.001 seconds (a millisecond), got 0"},
            std::pair{"--upstream-timeout nan",
                      "--upstream-timeout: expected a finite number of seconds, got nan"},
            std::pair{"--upstream-timeout 1e9", "--upstream-timeout: Value 1e9 not in range"},
@@ -235,6 +257,56 @@ TEST(CliFlags, GatewayRefusesAnUpstreamTimeoutBelowAMillisecondNamingTheFlag) {
                                   "millisecond), got 0.0004"));
   EXPECT_THAT(r.output, Not(HasSubstr("timeouts."))) << r.output;
   EXPECT_THAT(r.output, Not(HasSubstr("listening"))) << r.output;
+}
+
+// `serve` took none of the gateway's overload and capacity flags, so the one-command stack a user
+// starts first could bound neither its queue nor its connections. It takes `tandem gateway`'s own
+// definitions of them (the same help, defaults, checks and bounds), and a bad value is refused
+// naming the flag before anything is written or started.
+TEST(CliFlags, ServeTakesTheGatewaysCapacityFlagsAndRefusesBadValuesBeforeAnythingStarts) {
+  const std::string gateway_help = run("gateway --help").output;
+  const std::string serve_help = run("serve --help").output;
+  for (const char* flag : {"--max-queue", "--max-connections", "--max-connections-per-address",
+                           "--max-unsent-bytes", "--max-answer-bytes", "--http-threads"}) {
+    const std::string gateway_lines = help_of(gateway_help, flag);
+    ASSERT_FALSE(gateway_lines.empty()) << flag << ": " << gateway_help;
+    EXPECT_THAT(serve_help, HasSubstr(gateway_lines)) << flag;
+  }
+  const std::filesystem::path cache = test::scratch_path("serve-cache-capacity-flags", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  for (const auto& [flags, said] : kBadCapacityFlags) {
+    const Result r = run(std::string("serve --model tiny-v3 --port 0 ") + flags, env);
+    EXPECT_NE(r.status, 0) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << flags << ": no engine started";
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+}
+
+// `tandem gateway --max-queue -1` read as the largest size_t (an unbounded queue) and
+// `--max-queue 0` was refused by the gateway as "max_queue: ...", a key the user never wrote: the
+// flags are refused as the command line is read, naming the flag.
+TEST(CliFlags, GatewayRefusesBadCapacityFlagsNamingTheFlag) {
+  for (const auto& [flags, said] : kBadCapacityFlags) {
+    // A --host the gateway refuses once the flags are read: a bad value taken would end in that
+    // error rather than in a gateway that serves until killed.
+    const Result r =
+        run(std::string("gateway --decode 127.0.0.1:9 --host '[::1]' --port 0 ") + flags);
+    EXPECT_NE(r.status, 0) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("--host"))) << flags;
+  }
+}
+
+// --upstream-timeout's help gave its range as [0 - 2.14748e+06] though below a millisecond is
+// refused: it shows the range it takes.
+TEST(CliFlags, UpstreamTimeoutsHelpShowsTheRangeItTakes) {
+  for (const char* command : {"gateway --help", "serve --help"}) {
+    const std::string lines = help_of(run(command).output, "--upstream-timeout");
+    EXPECT_THAT(lines, HasSubstr("[0.001 - 2147483.647]")) << command << ": " << lines;
+    EXPECT_THAT(lines, Not(HasSubstr("[0 -"))) << command << ": " << lines;
+  }
 }
 
 // A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when

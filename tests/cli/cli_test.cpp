@@ -476,8 +476,9 @@ bool eventually(const std::function<bool()>& done) {
 // With --config the other setting flags were dropped without a word (only host, port, the
 // connection and byte limits, keys and max-tokens applied): each now replaces the file's
 // setting. Seen here: --served-model-name (the model id of /v1/models), --access-log (a line per
-// request), --max-queue and --prefill-retries (a value the gateway refuses, naming the setting,
-// where it was ignored), --shutdown-timeout (the stop's message).
+// request), --shutdown-timeout (the stop's message); --max-queue and --prefill-retries out of
+// bounds are refused naming the flag, as without --config (a given --max-queue replacing the
+// file's: GatewayCapacityFlags.AFlagLeftOutKeepsTheDefaultOrTheFilesSetting).
 TEST(Cli, SettingFlagsApplyOverAConfigFile) {
   const auto config = write_temp("settings.yaml",
                                  "listen: {host: 127.0.0.1}\nserved_model_name: file-name\n"
@@ -502,7 +503,7 @@ TEST(Cli, SettingFlagsApplyOverAConfigFile) {
     EXPECT_THAT(read_file(log), HasSubstr("\"status\":")) << "no access log line";
   }
   for (const auto& [flag, value, said] :
-       {std::tuple{"--max-queue", "0", "max_queue: expected a whole number >= 1, got 0"},
+       {std::tuple{"--max-queue", "0", "--max-queue: Value 0 not in range 1 to 2147483647"},
         std::tuple{"--prefill-retries", "-1", "--prefill-retries"}}) {
     const Result r = run_with_pending_stop(
         {"gateway", "--config", config, "--port", "0", "--access-log", "-", flag, value});

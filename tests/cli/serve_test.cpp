@@ -270,5 +270,25 @@ TEST(ServeGatewayFlags, UpstreamTimeoutReachesTheGateway) {
   EXPECT_THAT(r.body, HasSubstr("within timeouts.first_token_ms (250 ms)"));
 }
 
+// serve's --max-answer-bytes reaches every gateway replica: each of them refuses an answer larger
+// than the flag's 64 bytes (a completion's JSON is more) with 502 answer_too_large, where serve's
+// gateways held 64 MiB whatever was asked. Each request is a new connection, which the kernel
+// gives either replica.
+TEST(ServeGatewayFlags, MaxAnswerBytesReachesEveryGatewayReplica) {
+  std::vector<std::string> flags = kOneEngine;
+  flags.insert(flags.end(), {"--gateways", "2", "--max-answer-bytes", "64"});
+  Serve serve(flags);
+  const std::string listening = serve.line_with("tandem serve: listening on ");
+  ASSERT_FALSE(listening.empty()) << serve.output();
+  const uint16_t gateway = static_cast<uint16_t>(number_after(listening, "127.0.0.1:"));
+  for (int i = 0; i < 8; ++i) {
+    const net::HttpClientResponse r = testing::post_json(
+        gateway, "/v1/completions", {{"prompt", "hello"}, {"max_tokens", 4}, {"ignore_eos", true}});
+    EXPECT_EQ(r.status, 502) << r.body;
+    EXPECT_THAT(r.body, HasSubstr("answer_too_large"));
+  }
+  EXPECT_EQ(serve.process().stop(), 0);
+}
+
 }  // namespace
 }  // namespace tandem

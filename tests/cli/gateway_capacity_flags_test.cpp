@@ -1,0 +1,133 @@
+// The gateway's capacity flags as `tandem gateway` and `tandem serve` read them: each flag given
+// lands in its Topology field, one left out keeps the Topology's default (or a --config file's
+// setting), and a bad value is refused naming the flag.
+#include "cli/gateway_capacity_flags.h"
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace tandem::cli {
+namespace {
+
+using ::testing::HasSubstr;
+
+// `args` parsed by a command that took the flags as both commands do.
+class CapacityFlags {
+ public:
+  CapacityFlags() { add_gateway_capacity_flags(app_, flags_); }
+  // The parse's error, or "" when it took `args`.
+  std::string parse(std::vector<std::string> args) {
+    std::reverse(args.begin(), args.end());  // CLI11 takes them last first
+    try {
+      app_.parse(args);
+    } catch (const CLI::ParseError& e) {
+      return e.what();
+    }
+    return std::string();
+  }
+  gateway::Topology applied(gateway::Topology t, bool only_given) const {
+    apply_gateway_capacity_flags(t, flags_, app_, only_given);
+    return t;
+  }
+
+ private:
+  CLI::App app_{"capacity flags"};
+  GatewayCapacityFlags flags_;
+};
+
+TEST(GatewayCapacityFlags, EachFlagGivenLandsInItsTopologyField) {
+  CapacityFlags cli;
+  ASSERT_EQ(cli.parse({"--max-queue", "7", "--max-connections", "100",
+                       "--max-connections-per-address", "3", "--max-unsent-bytes", "4096",
+                       "--max-answer-bytes", "8192", "--http-threads", "5"}),
+            "");
+  for (bool only_given : {false, true}) {
+    const gateway::Topology t = cli.applied(gateway::Topology{}, only_given);
+    EXPECT_EQ(t.max_queue, 7u) << only_given;
+    EXPECT_EQ(t.max_connections, 100u) << only_given;
+    EXPECT_EQ(t.max_connections_per_address, 3u) << only_given;
+    EXPECT_EQ(t.max_unsent_bytes, 4096u) << only_given;
+    EXPECT_EQ(t.max_answer_bytes, 8192u) << only_given;
+    EXPECT_EQ(t.io_threads, 5) << only_given;
+  }
+}
+
+// Without the flags a topology from flags gets the Topology's defaults (what the help shows),
+// and a --config file's settings stay.
+TEST(GatewayCapacityFlags, AFlagLeftOutKeepsTheDefaultOrTheFilesSetting) {
+  CapacityFlags cli;
+  ASSERT_EQ(cli.parse({"--max-queue", "7"}), "");
+  gateway::Topology file;
+  file.max_connections = 11;
+  file.max_connections_per_address = 2;
+  file.max_unsent_bytes = 1000;
+  file.max_answer_bytes = 2000;
+  file.io_threads = 3;
+  const gateway::Topology from_file = cli.applied(file, /*only_given=*/true);
+  EXPECT_EQ(from_file.max_queue, 7u);
+  EXPECT_EQ(from_file.max_connections, 11u);
+  EXPECT_EQ(from_file.max_connections_per_address, 2u);
+  EXPECT_EQ(from_file.max_unsent_bytes, 1000u);
+  EXPECT_EQ(from_file.max_answer_bytes, 2000u);
+  EXPECT_EQ(from_file.io_threads, 3);
+  const gateway::Topology defaults;
+  const gateway::Topology from_flags = cli.applied(file, /*only_given=*/false);
+  EXPECT_EQ(from_flags.max_queue, 7u);
+  EXPECT_EQ(from_flags.max_connections, defaults.max_connections);
+  EXPECT_EQ(from_flags.max_connections_per_address, defaults.max_connections_per_address);
+  EXPECT_EQ(from_flags.max_unsent_bytes, defaults.max_unsent_bytes);
+  EXPECT_EQ(from_flags.max_answer_bytes, defaults.max_answer_bytes);
+  EXPECT_EQ(from_flags.io_threads, defaults.io_threads);
+}
+
+// The bounds are a topology file's: a count 1 (0 for the connection caps, "the default") to the
+// largest int, a held size 1 to kMaxHeldBytesLimit, io threads 1 to kMaxIoThreads. CLI11 read
+// "-1" and a number past 2^64 for a size_t as its largest value: an unbounded limit.
+TEST(GatewayCapacityFlags, ABadValueIsRefusedNamingTheFlag) {
+  for (const auto& [flag, value, said] : {
+           std::tuple{"--max-queue", "0", "--max-queue: Value 0 not in range 1 to 2147483647"},
+           std::tuple{"--max-queue", "-1", "--max-queue: Value -1 not in range 1 to 2147483647"},
+           std::tuple{"--max-queue", "2147483648", "--max-queue: Value 2147483648 not in range"},
+           std::tuple{"--max-queue", "99999999999999999999999", "--max-queue: Value 9999"},
+           std::tuple{"--max-connections", "-1",
+                      "--max-connections: Value -1 not in range 0 to 2147483647"},
+           std::tuple{"--max-connections-per-address", "-1",
+                      "--max-connections-per-address: Value -1 not in range 0 to 2147483647"},
+           std::tuple{"--max-unsent-bytes", "0",
+                      "--max-unsent-bytes: Value 0 not in range 1 to 17179869184"},
+           std::tuple{"--max-unsent-bytes", "-1",
+                      "--max-unsent-bytes: Value -1 not in range 1 to 17179869184"},
+           std::tuple{"--max-answer-bytes", "17179869185",
+                      "--max-answer-bytes: Value 17179869185 not in range 1 to 17179869184"},
+           std::tuple{"--http-threads", "0", "--http-threads: Value 0 not in range 1 to 64"},
+           std::tuple{"--http-threads", "65", "--http-threads: Value 65 not in range 1 to 64"},
+           std::tuple{"--max-queue", "many", "--max-queue"},
+       }) {
+    CapacityFlags cli;
+    EXPECT_THAT(cli.parse({flag, value}), HasSubstr(said)) << flag << " " << value;
+  }
+}
+
+// The largest values a topology file takes are taken.
+TEST(GatewayCapacityFlags, TheBoundsThemselvesAreTaken) {
+  CapacityFlags cli;
+  ASSERT_EQ(cli.parse({"--max-queue", "2147483647", "--max-connections", "0",
+                       "--max-connections-per-address", "2147483647", "--max-unsent-bytes",
+                       "17179869184", "--max-answer-bytes", "1", "--http-threads", "64"}),
+            "");
+  const gateway::Topology t = cli.applied(gateway::Topology{}, /*only_given=*/true);
+  EXPECT_EQ(t.max_queue, 2147483647u);
+  EXPECT_EQ(t.max_connections, 0u);
+  EXPECT_EQ(t.max_connections_per_address, 2147483647u);
+  EXPECT_EQ(t.max_unsent_bytes, gateway::kMaxHeldBytesLimit);
+  EXPECT_EQ(t.max_answer_bytes, 1u);
+  EXPECT_EQ(t.io_threads, gateway::kMaxIoThreads);
+}
+
+}  // namespace
+}  // namespace tandem::cli
