@@ -98,7 +98,11 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
   {
     std::lock_guard lock(r->mutex);
     l.state = LegState::kFinished;
-    reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+    // A whole answer (its call ended by itself) that a cut crossed (its engine's ejection, its
+    // deadline): the answer stands, as an answering leg's does (relay_done); dropped, its KV
+    // would stay held on the engine with nobody to release it.
+    const bool came_whole = error.empty() && l.status == 200;
+    reason = l.cancel_reason.empty() || came_whole ? error : l.cancel_reason;
   }
   if (l.answer_too_large) {
     dispatcher_.answer_refused(r, attempt, 502,

@@ -3537,6 +3537,34 @@ TEST(HealthMonitor, AWholeAnswerThatCrossesItsLegsCutIsRelayed) {
   }
 }
 
+// The same for a sequential prefill leg: its whole answer, with the KV's whereabouts, crossed the
+// cut of its engine's ejection. The decode stage takes that KV; the prompt was prefilled again on
+// another engine, and the KV of the first prefill stayed held on p1, released by nobody.
+TEST(HealthMonitor, AWholePrefillAnswerThatCrossesItsLegsCutIsUsed) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto client = c.send();
+  auto prefill = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefill.size(), 1u);
+  ASSERT_EQ(host_of(*prefill[0]), "p1");
+  c.engines.answer_crossing_cancel = json{{"kv_transfer_params", kHeldKv}}.dump();
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"p1"});
+  EXPECT_TRUE(prefill[0]->cancelled);
+  c.engines.answer_crossing_cancel.clear();
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  EXPECT_EQ(host_of(*decode[0]), "d");
+  EXPECT_EQ(json::parse(decode[0]->request.body)["kv_transfer_params"], kHeldKv);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+}
+
 // A drained engine is not ejected: its legs finish.
 TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
   Topology t = aggregated({engine("a"), engine("b")});
