@@ -114,9 +114,10 @@ struct HttpServerOptions {
   // A request's body, once its head arrived, must make progress within this time of its head and
   // then of each read that brought body bytes (between two successive reads, as nginx's
   // client_body_timeout), also while a 100 Continue waits to be written. A client that uploads
-  // slowly but steadily gets its whole body in, however long it takes; one whose body stops is
-  // answered 408 (error_response) and closed. The head is bound by header_timeout and by this
-  // time from its first byte, whichever is shorter, and closed without an answer.
+  // slowly but steadily (at min_body_bytes_per_second or more) gets its whole body in, however
+  // long it takes; one whose body stops is answered 408 (error_response) and closed. The head is
+  // bound by header_timeout and by this time from its first byte, whichever is shorter, and closed
+  // without an answer.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
   // The least average rate of a body: it must be complete within read_timeout of its head plus
   // one second per this many bytes received (as Apache's mod_reqtimeout MinRate), else 408. So a
