@@ -74,6 +74,7 @@ struct EngineOptions {
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
   std::string kv_transfer_host, advertise_host, engine_id;
   double kv_transfer_timeout = 120;
+  double kv_transfer_handshake_timeout = engine::KvTransferConfig{}.handshake_timeout_s;
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
   double shutdown_timeout = default_shutdown_timeout();
@@ -275,6 +276,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   transfer.advertise_host =
       o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
   transfer.timeout_s = o.kv_transfer_timeout;
+  transfer.handshake_timeout_s = o.kv_transfer_handshake_timeout;
   transfer.transport = kKvTransports.at(o.kv_transport);
   transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
   transfer.secret = kv_transfer_secret(o);
@@ -572,9 +574,20 @@ CLI::App* add_engine_subcommand(CLI::App& app, EngineOptions& o) {
                   "frame (one layer's KV) may take")
       ->capture_default_str()
       ->check(finite_seconds())
-      ->check(positive_number())
+      // Rounded to milliseconds (the transports' timeouts): less would be none, and a timeout of
+      // 0 ms fails every transfer frame at once.
+      ->check(at_least_a_millisecond())
       // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
       // would be undefined (1e300 was taken).
+      ->check(CLI::Range(0.0, 2147483.647));
+  cmd->add_option("--kv-transfer-handshake-timeout", o.kv_transfer_handshake_timeout,
+                  "seconds a prefill engine answers within before a decode engine gives it up "
+                  "as hung (connect, --kv-transfer-secret handshake and the answer to a pull, as "
+                  "a whole; each release of held KV too), and within which a connection to a "
+                  "prefill engine sends each frame until its request")
+      ->capture_default_str()
+      ->check(finite_seconds())
+      ->check(at_least_a_millisecond())
       ->check(CLI::Range(0.0, 2147483.647));
   cmd->add_option("--kv-transport", o.kv_transport,
                   "KV transfer transport: shm (shared memory with engines on this host, TCP with "
