@@ -104,6 +104,12 @@ engine::SimExecutorOptions sim_executor_options(const SimExecutorFlags& f,
   }
   if (so.mtp.acceptance.empty())
     throw Error("--sim-mtp-acceptance: want at least one probability (0..1)");
+  // One per draft position, the last repeating: more than the drafts would be ignored.
+  if (speculative_tokens > 0 && int64_t(so.mtp.acceptance.size()) > speculative_tokens)
+    throw Error("--sim-mtp-acceptance: " + std::to_string(so.mtp.acceptance.size()) +
+                " probabilities, want at most " + std::to_string(speculative_tokens) +
+                " (one per draft position of --speculative-tokens " +
+                std::to_string(speculative_tokens) + "; the last repeats)");
   return so;
 }
 

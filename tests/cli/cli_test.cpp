@@ -1587,6 +1587,10 @@ TEST(Cli, FlagsTheRunWouldIgnoreAreRefusedNamingWhatTheyNeed) {
        {"--sim-mtp-acceptance", "--speculative-tokens"}},
       {"simulate --num-prompts 2 --sim-mtp-draft-pass-share 0.1",
        {"--sim-mtp-draft-pass-share", "--speculative-tokens"}},
+      // More acceptance probabilities than draft positions: the extra ones would be ignored.
+      {"simulate --num-prompts 2 --speculative-tokens 2 --sim-mtp-acceptance 0.9,0.8,0.7,0.6",
+       {"--sim-mtp-acceptance",
+        "4 probabilities, want at most 2 (one per draft position of --speculative-tokens 2"}},
       {"place plan --loads x.npy --ranks 2 --fresh", {"--fresh", "--current"}}};
   for (const auto& [command, names] : cases) {
     const auto r = run(command);
