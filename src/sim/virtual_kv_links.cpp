@@ -291,38 +291,113 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
     return length;
   }
+  // When this engine or `peer`, stalled from a time in [from, to), stayed stalled (the two
+  // together, without a break) for longer than `limit`: that stall's start, or none. Stalls are
+  // known once they begin, their ends with them.
+  std::optional<TimePoint> frozen_past(const Endpoint* peer, TimePoint from, TimePoint to,
+                                       Duration limit) const {
+    std::vector<std::pair<TimePoint, TimePoint>> spans;
+    for (const Endpoint* e : {this, peer})
+      for (const auto& [a, b] : e->stalls_)
+        if (b > from && a < to) spans.emplace_back(std::max(a, from), b);
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 0; i < spans.size();) {
+      const TimePoint start = spans[i].first;
+      TimePoint until = spans[i].second;
+      for (++i; i < spans.size() && spans[i].first <= until; ++i)
+        until = std::max(until, spans[i].second);
+      if (until - start > limit) return start;
+    }
+    return std::nullopt;
+  }
   // Runs `done` once the link between this engine and `peer` has run for `seconds` from `from`,
   // the time either engine was stalled not counting: a stalled engine's transfer threads are
   // frozen (SIGSTOP), and its transfers go on where they stopped when it wakes. A stall is known
   // once it begins, so the end is checked when it comes and moved on by what stalls took of it.
-  // A transfer whose end is past what the clock counts (a long prompt over a link slowed a
-  // millionfold takes centuries) runs `too_slow` instead, with why: it fails alone, and the run
-  // goes on.
+  // Live, each frame is sent and received within the transfer timeout: a stall longer than that
+  // fails the transfer at the timeout from the stall's start (the side still running gives up;
+  // a stalled decode engine finds the connection closed when it wakes), as the prefill engine's
+  // fault (check_stalled_links, as each stall begins). A transfer whose end is past what the clock
+  // counts (a long prompt over a link slowed a millionfold takes centuries) fails too, alone, and
+  // the run goes on. `failed` gets why, and whether the prefill engine is at fault.
+  using LinkFailed = std::function<void(const std::string& why, bool prefills_fault)>;
   void after_link_time(Endpoint* peer, TimePoint from, double seconds, gateway::Executor::Task done,
-                       std::function<void(const std::string&)> too_slow) {
+                       LinkFailed failed) {
     if (!(seconds <= kMaxVirtualSeconds)) {
-      too_slow(too_slow_error(peer, seconds_of(from) + seconds));
+      failed(too_slow_error(peer, seconds_of(from) + seconds), false);
       return;
     }
-    after_link_time(peer, from, duration_of(seconds), std::move(done), std::move(too_slow));
+    after_link_time(peer, from, duration_of(seconds), std::move(done), std::move(failed));
   }
   void after_link_time(Endpoint* peer, TimePoint from, Duration length,
-                       gateway::Executor::Task done,
-                       std::function<void(const std::string&)> too_slow) {
+                       gateway::Executor::Task done, LinkFailed failed) {
     from = both_awake_from(peer, from);
     if (from.time_since_epoch() + length > duration_of(kMaxVirtualSeconds)) {
-      too_slow(too_slow_error(peer, seconds_of(from + length)));
+      failed(too_slow_error(peer, seconds_of(from + length)), false);
       return;
     }
-    const TimePoint end = from + length;
-    at(end,
-       [this, peer, from, end, done = std::move(done), too_slow = std::move(too_slow)]() mutable {
-         if (const Duration lost = frozen(peer, from, end); lost > Duration::zero())
-           after_link_time(peer, end, lost, std::move(done), std::move(too_slow));
-         else
-           done();
-       });
+    const uint64_t id = ++next_link_;
+    links_[id] = {peer, from, std::move(failed)};
+    link_end(id, from + length, std::move(done));
   }
+  void link_end(uint64_t id, TimePoint end, gateway::Executor::Task done) {
+    at(end, [this, id, end, done = std::move(done)]() mutable {
+      auto it = links_.find(id);
+      if (it == links_.end() || it->second.failing) return;  // failed by a stall
+      const Link& l = it->second;
+      const Duration lost = frozen(l.peer, both_awake_from(l.peer, l.from), end);
+      if (lost > Duration::zero()) {
+        it->second.from = end;
+        const TimePoint from = both_awake_from(l.peer, end);
+        if (from.time_since_epoch() + lost > duration_of(kMaxVirtualSeconds)) {
+          const std::string why = too_slow_error(l.peer, seconds_of(from + lost));
+          LinkFailed failed = std::move(it->second.failed);
+          links_.erase(it);
+          failed(why, false);
+          return;
+        }
+        link_end(id, from + lost, std::move(done));
+        return;
+      }
+      links_.erase(it);
+      done();
+    });
+  }
+
+ public:
+  // A stall began on `stalled`: a transfer of this engine's whose link it freezes, with its
+  // peer's stalls, for longer than the transfer timeout fails at that timeout.
+  void check_stalled_links(const Endpoint* stalled) {
+    const TimePoint now = net_.clock_.now();
+    const Duration limit = duration_of(config_.timeout_s);
+    for (auto& [id, l] : links_) {
+      if (l.failing || (stalled != this && stalled != l.peer)) continue;
+      const std::optional<TimePoint> stopped =
+          frozen_past(l.peer, l.from, now + Duration(1), limit);
+      if (!stopped) continue;
+      l.failing = true;
+      at(*stopped + limit, [this, id = id, limit_s = config_.timeout_s] {
+        auto it = links_.find(id);
+        if (it == links_.end()) return;
+        LinkFailed failed = std::move(it->second.failed);
+        links_.erase(it);
+        failed("no KV frame moved within the transfer timeout of " + seconds_text(limit_s) +
+                   " s (--kv-transfer-timeout): an engine of the link stalled",
+               true);
+      });
+    }
+  }
+
+ private:
+  // A transfer under way on a link of this (prefill) engine's (after_link_time).
+  struct Link {
+    Endpoint* peer = nullptr;
+    TimePoint from;  // since when it has run, the stalls that ended before not counting
+    LinkFailed failed;
+    bool failing = false;  // a stall fails it (check_stalled_links)
+  };
+  std::map<uint64_t, Link> links_;
+  uint64_t next_link_ = 0;
   std::string too_slow_error(const Endpoint* peer, double end) const {
     const double slowed = std::max(slowdown(), peer->slowdown());
     char text[256];
@@ -430,12 +505,15 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
           net_.bytes_ += bytes;
           decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
         },
-        [this, decode, id = f.request_id, transfer = f.transfer_id](const std::string& why) {
+        [this, decode, id = f.request_id, transfer = f.transfer_id](const std::string& why,
+                                                                    bool prefills_fault) {
           // A pull that fails once begun ends its hold, as the engines' agent ends it.
           free_held(transfer, true);
-          at(now_s() + net_.link_.latency_s, [decode, id, why] {
-            decode->finish_fetch(id, {false, why, 0});
-          });
+          KvFetchResult failed;
+          failed.error = why;
+          failed.prefill_fault = prefills_fault;
+          at(now_s() + net_.link_.latency_s,
+             [decode, id, failed] { decode->finish_fetch(id, failed); });
         });
   }
 
@@ -494,7 +572,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
                                               {true, "", static_cast<uint64_t>(bytes)});
           to_engine([d = std::move(done.done)] { d(true, "", false); });
         },
-        [this, room](const std::string& why) { fail_room(room, why); });
+        [this, room](const std::string& why, bool prefills_fault) {
+          fail_room(room, why, false, prefills_fault);
+        });
   }
 
   void arm_room_timeout(uint64_t room) {
@@ -507,8 +587,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     });
   }
 
-  // The room ends badly: both legs hear why (`abandoned`: the decode leg abandoned it).
-  void fail_room(uint64_t room, const std::string& why, bool abandoned = false) {
+  // The room ends badly: both legs hear why (`abandoned`: the decode leg abandoned it;
+  // `prefills_fault`: the decode leg's fetch blames the prefill engine).
+  void fail_room(uint64_t room, const std::string& why, bool abandoned = false,
+                 bool prefills_fault = false) {
     auto it = rooms_.find(room);
     if (it == rooms_.end()) return;
     Room r = std::move(it->second);
@@ -517,9 +599,11 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (r.decode) {
       Endpoint* decode = r.decode->endpoint;
       decode->registered_.erase(room);
-      at(now_s() + net_.link_.latency_s, [decode, id = r.decode->request_id, why] {
-        decode->finish_fetch(id, {false, why, 0});
-      });
+      KvFetchResult failed;
+      failed.error = why;
+      failed.prefill_fault = prefills_fault;
+      at(now_s() + net_.link_.latency_s,
+         [decode, id = r.decode->request_id, failed] { decode->finish_fetch(id, failed); });
     }
     if (r.claim != 0 && r.done)
       to_engine([d = std::move(r.done), why, abandoned] { d(false, why, abandoned); });
@@ -611,7 +695,10 @@ void VirtualKvNetwork::end_slow(const std::string& engine_id, double factor) {
 }
 
 void VirtualKvNetwork::stall(const std::string& engine_id, TimePoint until) {
-  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->stall(until);
+  auto it = endpoints_.find(engine_id);
+  if (it == endpoints_.end()) return;
+  it->second->stall(until);
+  for (auto& [id, e] : endpoints_) e->check_stalled_links(it->second);
 }
 
 VirtualKvNetwork::VirtualKvNetwork(gateway::Executor& clock, KvLinkModel link)

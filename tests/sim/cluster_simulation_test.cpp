@@ -954,6 +954,35 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
     }
 }
 
+TEST(ClusterSimulation, ATransferFrozenByAStallLongerThanTheTransferTimeoutFails) {
+  // Live, each frame of a transfer is sent and received within --kv-transfer-timeout: a prefill
+  // engine stopped mid-transfer for longer fails it at the timeout as its fault, and the gateway
+  // prefills the request again on the other prefill engine. prefill-0 (round robin's first)
+  // stalls from 3 s to 4.5 s (its probe of 4 s answered within the probe timeout: not ejected)
+  // with the transfer of a 200-token prompt's KV (over 5 s at 1 MB/s) under way; with a 1 s
+  // timeout it fails at 4 s, and the KV moves again from prefill-1, the first token after 4 s
+  // plus a whole transfer. The simulator paused the transfer for the stall and went on, the first
+  // token a transfer and 1.5 s in.
+  for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel}) {
+    SCOPED_TRACE(gateway::mode_name(mode));
+    auto o = pd_options(mode, 2, 1, "deepseek-v3-h800");
+    o.gateway.policy = "round_robin";
+    o.kv_link.bytes_per_s = 1e6;
+    o.kv_transfer_timeout_s = 1;
+    o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+        std::chrono::seconds(10000);
+    o.faults = {{Fault::Kind::kStall, "prefill-0", 3.0, 1.5}};
+    const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
+    ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+    EXPECT_EQ(run.retries, 1);
+    ASSERT_EQ(run.kv_transfers, 1);  // the second
+    const double transfer_s = run.kv_transfer_bytes / 1e6;
+    EXPECT_GT(transfer_s, 5);  // the first was under way at 3 s
+    EXPECT_GE(run.results[0].ttft_s, 4.0 + transfer_s);
+    EXPECT_LT(run.results[0].ttft_s, 4.0 + transfer_s + 1.0);
+  }
+}
+
 TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeoutAndIsRetried) {
   // As live engines since the handshake timeout bounds a pull: decode-0 is stalled when the
   // decode leg comes (it takes the leg when it wakes at 5.5 s; its probes of 2 and 4 s fail, too
