@@ -70,6 +70,16 @@ std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
     out.push_back(loads_from_npy(a, path.string()));
     return out;
   }
+  // An Omni placement pattern (`plan --omni-out`) is a 3-D int32 array of 0/1 too: read as loads
+  // it would plan for one token per expert held, silently.
+  if (a.dtype == "<i4" &&
+      std::all_of(a.values.begin(), a.values.end(), [](int64_t v) { return v == 0 || v == 1; }))
+    throw Error(path.string() + ": an int32 array of 0/1 [" + std::to_string(a.shape[0]) + ", " +
+                std::to_string(a.shape[1]) + ", " + std::to_string(a.shape[2]) +
+                "], an Omni placement pattern ([ranks, layers, experts], as --omni-out writes), "
+                "not loads: expected routed tokens, a .npy [layers, experts] (as "
+                "--expert-load-dump writes) or [snapshots, layers, experts] (give a placement "
+                "as --current)");
   const int64_t layers = a.shape[1], experts = a.shape[2], per = layers * experts;
   for (int64_t t = 0; t < a.shape[0]; ++t) {
     NpyArray one{{layers, experts},

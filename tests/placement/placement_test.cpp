@@ -518,6 +518,28 @@ TEST(Format, ReadsTheOmniDeepSeekV3Pattern) {
   EXPECT_NO_THROW(validate(p));
 }
 
+// `tandem place plan --loads p.npy` with the Omni pattern `--omni-out` wrote (int32 0/1 [ranks,
+// layers, experts]) read it as load snapshots and planned for them without a word.
+TEST(Format, AnOmniPlacementPatternGivenAsLoadsIsRefusedNamingTheFile) {
+  const auto file = std::filesystem::temp_directory_path() /
+                    ("tandem-omni-as-loads-" + std::to_string(::getpid()) + ".npy");
+  write_npy(file, {2, 1, 4}, {1, 1, 0, 0, 0, 0, 1, 1}, true);
+  try {
+    read_loads(file);
+    ADD_FAILURE() << "a placement pattern was read as loads";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(file.string() + ": an int32 array of 0/1 [2, 1, 4], an "
+                                                         "Omni placement pattern"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("[layers, experts]"), std::string::npos) << e.what();
+  }
+  // The same shape as int64 routed tokens (as --expert-load-dump writes) stays loads.
+  write_npy(file, {2, 1, 4}, {1, 1, 0, 0, 0, 0, 1, 1});
+  EXPECT_EQ(read_load_snapshots(file).size(), 2u);
+  std::filesystem::remove(file);
+}
+
 TEST(Format, LoadSnapshotsOfAnotherShapeAreRefusedNamingTheFile) {
   // `place simulate` compares each snapshot with the one before, expert by expert.
   const auto dir =
