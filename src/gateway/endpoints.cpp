@@ -419,10 +419,10 @@ bool EndpointTable::readmission_is_the_only_restart_signal(const EndpointState& 
   // from seq 0 reaches back only buffer_steps batches, so its oldest, hottest prefixes never came
   // back. The simulator's engines never restart.
   if (external_events_.count(e.id)) return false;
-  // Its load reports tell (their steps go back) where the gateway polls them (while it is ejected
-  // too) and has taken one to compare with: a `tandem` engine, or an `auto` engine asked again
-  // since an earlier readmission. With polling off (load_interval 0), or no report taken yet,
-  // nothing else would ever tell.
+  // Its load reports tell (another process instance, or steps that went back) where the gateway
+  // polls them (while it is ejected too) and has taken one to compare with: a `tandem` engine, or
+  // an `auto` engine asked again since an earlier readmission. With polling off (load_interval 0),
+  // or no report taken yet, nothing else would ever tell.
   const bool reports_tell = topo_.scheduling.load_interval.count() > 0 && e.load.known;
   if (reports_tell &&
       (e.load_source == LoadSource::kReports || e.load_source == LoadSource::kAsking))

@@ -88,7 +88,8 @@ TEST(EngineLoad, AReportOfAnotherInstanceIsARestart) {
   busier.steps = first.steps + 100;
   busier.recent_steps = {{first.steps + 100, 1, 512, 0.1}};
   EXPECT_TRUE(reports_a_restart(s, busier));
-  // Its steps are all learned: the ones numbered at or below the old process's last are new too.
+  // The steps it lists are all learned, those numbered at or below the old process's last too
+  // (a live poll asks only for steps after that one, so it lists them only when it sends all).
   busier.recent_steps = {{3, 1, 512, 0.1}, {first.steps + 100, 1, 512, 0.1}};
   const EngineLoadState after = absorb(s, busier, {}, t0, {});
   EXPECT_EQ(after.batch_time.observations, s.batch_time.observations + 2);

@@ -2,11 +2,12 @@
 // or it routes prompts to a cache that no longer exists (a user's trial: a prefill engine killed
 // and restarted by `tandem serve` within seconds was never ejected, and the next request went to
 // it for 4000 "cached" tokens of which it delivered none). The gateway learns of a restart from
-// the engine's load reports (its step count or step indices went back), and for an engine
-// without reports (vLLM, SGLang) from a readmission after an ejection; most ejections are no
-// restart, and an engine that reports keeps its entries through them. The tests play the reports,
-// leg and probe results, and feed the index as the engines' KV events would (api/block_hash.h's
-// hashes, 16-token blocks); the last one follows a scripted publisher's stream on loopback.
+// the engine's load reports (another process instance, or its step count or step indices went
+// back), and for an engine without reports (vLLM, SGLang) from a readmission after an ejection;
+// most ejections are no restart, and an engine that reports keeps its entries through them. The
+// tests play the reports, leg and probe results, and feed the index as the engines' KV events
+// would (api/block_hash.h's hashes, 16-token blocks); the last one follows a scripted publisher's
+// stream on loopback.
 #include <gtest/gtest.h>
 
 #include <chrono>
