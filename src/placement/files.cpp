@@ -4,9 +4,12 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "placement/placement_format.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
 #include "util/npy.h"
 
 namespace tandem::placement {
@@ -107,7 +110,14 @@ ExpertLoads read_loads(const fs::path& path) {
 
 Placement read_placement(const fs::path& path) {
   if (is_npy(path)) return placement_from_omni_pattern(read_npy(path), path.string());
-  return placement_from_json(read_file(path), path.string());
+  const std::string text = read_file(path);
+  // An engine's GET /admin/expert_placement wraps its placement in "placement", beside the
+  // ranks' work and the remap status: the placement is read from there.
+  const nlohmann::json j = parse_json_document(text, path.string());
+  if (j.is_object() && !j.contains("phy2log") && j.contains("placement") &&
+      j["placement"].is_object())
+    return placement_from_json(j["placement"].dump(), path.string() + " (its \"placement\")");
+  return placement_from_json(text, path.string());
 }
 
 }  // namespace tandem::placement

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -537,6 +538,23 @@ TEST(Format, AnOmniPlacementPatternGivenAsLoadsIsRefusedNamingTheFile) {
   // The same shape as int64 routed tokens (as --expert-load-dump writes) stays loads.
   write_npy(file, {2, 1, 4}, {1, 1, 0, 0, 0, 0, 1, 1});
   EXPECT_EQ(read_load_snapshots(file).size(), 2u);
+  std::filesystem::remove(file);
+}
+
+// An engine's GET /admin/expert_placement answer (the placement in "placement", beside the ranks'
+// work) saved to a file is a placement for --current: it was refused for having no "experts".
+TEST(Format, AnEnginesAdminPlacementAnswerIsReadAsItsPlacement) {
+  const auto file = std::filesystem::temp_directory_path() /
+                    ("tandem-admin-placement-" + std::to_string(::getpid()) + ".json");
+  const Placement p{2, 4, {{{0, 1}, {2, 3}}, {{3, 1}, {2, 0}}}};
+  const nlohmann::json answer = {{"placement", placement_to_json(p)},
+                                 {"ranks", {{{"expert_rows", 5}}, {{"expert_rows", 7}}}},
+                                 {"remaps", 0}};
+  std::ofstream(file) << answer.dump();
+  const Placement read = read_placement(file);
+  EXPECT_EQ(read.ranks, 2);
+  EXPECT_EQ(read.experts, 4);
+  EXPECT_EQ(read.layers, p.layers);
   std::filesystem::remove(file);
 }
 
