@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/rng.h"
+#include "text/token_text.h"
 #include "util/error.h"
 #include "util/file.h"
 #include "util/hash.h"
@@ -260,7 +261,7 @@ TokenVocab TokenVocab::build(const text::Tokenizer& tokenizer) {
   v.text_by_id_.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const auto id = static_cast<int32_t>(i);
-    if (tokenizer.is_special(id) || !tokenizer.id_to_token(id)) continue;
+    if (tokenizer.is_special(id) || !text::has_text(tokenizer, id)) continue;
     std::string bytes = tokenizer.token_bytes(id);
     if (bytes.size() < 2 || bytes[0] != ' ') continue;
     bool letters = true;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "text/token_text.h"
 #include "util/error.h"
 
 namespace tandem::structured {
@@ -12,7 +13,8 @@ MaskVocabulary::MaskVocabulary(const text::Tokenizer& tokenizer) {
   bytes_.resize(n);
   for (size_t id = 0; id < n; ++id) {
     const auto t = static_cast<int32_t>(id);
-    if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) bytes_[id] = tokenizer.token_bytes(t);
+    if (text::has_text(tokenizer, t) && !tokenizer.is_special(t))
+      bytes_[id] = tokenizer.token_bytes(t);
   }
   build_trie();
 }

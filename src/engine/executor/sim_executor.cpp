@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "text/token_text.h"
 #include "util/error.h"
 #include "util/hash.h"
 
@@ -67,7 +68,7 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   info_.num_blocks = kv.num_blocks;
   for (size_t id = 0; id < tokenizer.vocab_size(); ++id) {
     const auto t = static_cast<int32_t>(id);
-    if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) ordinary_.push_back(t);
+    if (text::has_text(tokenizer, t) && !tokenizer.is_special(t)) ordinary_.push_back(t);
   }
   if (ordinary_.empty()) throw Error("sim: the tokenizer has no ordinary tokens to emit");
   info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, kv.token_bytes};
