@@ -1432,12 +1432,37 @@ TEST(Cli, SimulateReportsFaultsAndMtp) {
   const double accepted = j["simulation"]["mtp_accepted_tokens"];
   // Two drafts at 0.9 then 0.6 given the first: 0.9 + 0.54 = 1.44 of 2 per step.
   EXPECT_NEAR(accepted / drafts, 0.72, 0.06);
+  // The MTP and MoE settings the run modelled: a result file says what it simulated.
+  const nlohmann::json& sim = j["simulation"];
+  EXPECT_EQ(sim["speculative_tokens"], 2) << sim.dump();
+  EXPECT_EQ(sim["sim_mtp_acceptance"], nlohmann::json({0.9, 0.6})) << sim.dump();
+  EXPECT_DOUBLE_EQ(sim["sim_mtp_draft_pass_share"].get<double>(), 1.0 / 61) << sim.dump();
+  EXPECT_EQ(sim["sim_expert_parallel"], 0) << sim.dump();
+  for (const char* unused : {"sim_placement", "sim_routing_skew", "sim_moe_share"})
+    EXPECT_TRUE(sim[unused].is_null()) << unused << ": " << sim.dump();
   // Each engine's blocks in use at the end: none once its stall ended and every request did.
   ASSERT_EQ(j["simulation"]["engines"].size(), 2u);
   for (const auto& e : j["simulation"]["engines"]) {
     ASSERT_TRUE(e.contains("blocks_in_use")) << e.dump();
     EXPECT_EQ(e["blocks_in_use"], 0) << e.dump();
   }
+}
+
+// The simulated expert parallelism's settings are in the result file too (they were not).
+TEST(Cli, SimulateRecordsItsExpertParallelSettingsInTheResultFile) {
+  const auto result = test::scratch_path("simulate_ep_settings");
+  const auto r =
+      run("simulate --num-prompts 3 --random-input-len 50 --random-output-len 5 "
+          "--sim-expert-parallel 4 --sim-routing-skew 0.5:1.5 --sim-moe-share 0.4 --result-file " +
+          test::quote(result));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json sim = nlohmann::json::parse(std::ifstream(result))["simulation"];
+  EXPECT_EQ(sim["sim_expert_parallel"], 4) << sim.dump();
+  EXPECT_EQ(sim["sim_routing_skew"], "0.5:1.5") << sim.dump();
+  EXPECT_DOUBLE_EQ(sim["sim_moe_share"].get<double>(), 0.4) << sim.dump();
+  EXPECT_TRUE(sim["sim_placement"].is_null()) << sim.dump();  // every expert once, in order
+  EXPECT_EQ(sim["speculative_tokens"], 0) << sim.dump();
+  EXPECT_TRUE(sim["sim_mtp_acceptance"].is_null()) << sim.dump();
 }
 
 TEST(Cli, SimulateChecksItsSchedulerLimitsBeforeReadingTheWorkload) {
