@@ -125,7 +125,11 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
     for (const RequestPtr& r : group) answer_shutting_down(r);
     return;
   }
-  const bool full = waiting_.size() >= topo_.max_queue;
+  // A full queue gives a higher class's request the place of the newest waiting request of the
+  // lowest class below it (docs/gateway.md, "Priority classes"): interactive traffic must not be
+  // refused behind batch traffic. The group is then admitted whole, as into a queue with room.
+  bool full = waiting_.size() >= topo_.max_queue;
+  if (full && !group.empty() && shed_lower_class(group.front()->priority_class)) full = false;
   bool queued = false;
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
@@ -143,6 +147,28 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
   publish_counts();
   exec_.set_busy(true);
   dispatch(waiting_.back()->queued_at);
+}
+
+bool Dispatcher::shed_lower_class(int arriving_class) {
+  // Only a request never sent to an engine gives up its place: one waiting to decode, or for a
+  // retry, holds work (and maybe KV) already done for it.
+  RequestPtr shed;
+  for (const RequestPtr& r : waiting_) {
+    if (r->ended() || r->stage != Stage::kFirst || r->attempt != 0) continue;
+    if (r->priority_class <= arriving_class) continue;
+    // The lowest class, and within it the newest (the one that waited least).
+    if (!shed || r->priority_class > shed->priority_class ||
+        (r->priority_class == shed->priority_class && r->queued_at >= shed->queued_at))
+      shed = r;
+  }
+  if (!shed) return false;
+  // As a queue timeout: it leaves the queue now, and finished() lets go of what it holds.
+  remove_waiting(shed);
+  answer_error(shed, 429,
+               "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+                   " requests waiting) and this request was shed for higher-priority traffic; "
+                   "retry later");
+  return true;
 }
 
 // Every waiting request is active too (active_ holds every request from submit to its end):

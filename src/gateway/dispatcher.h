@@ -158,6 +158,10 @@ class Dispatcher {
   RequestInfo info(const Request& r) const;
   void enqueue(const RequestPtr& r, bool front);
   void arm_queue_timeout(const RequestPtr& r);
+  // The queue is full and a request of `arriving_class` comes: the newest waiting request of the
+  // lowest class ranking below it (a later class), never sent to an engine yet, is answered 429
+  // and leaves the queue. Whether one did.
+  bool shed_lower_class(int arriving_class);
   void remove_waiting(const RequestPtr& r);
   // vllm:num_requests_waiting and vllm:num_requests_running (the active ones not waiting).
   void publish_counts();

@@ -3047,6 +3047,43 @@ TEST(Dispatcher, EnginesGetTheClassPriorityAndTheQueueServesAHigherClassFirst) {
   (void)running;
 }
 
+// A queue full of batch requests must not refuse interactive ones (docs/gateway.md, "Priority
+// classes"): the newest waiting request of the lowest class gives up its place, answered 429.
+TEST(Dispatcher, AFullQueueShedsTheNewestWaitingRequestOfALowerClassForAHigherOne) {
+  Topology t = with_classes(aggregated({engine("a", 0, 1)}));
+  t.max_queue = 2;
+  Cluster c(t);
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  auto running = c.send_body(body, "k-batch");
+  auto older = c.send_body(body, "k-batch");
+  auto newer = c.send_body(body, "k-batch");
+  auto chat = c.send_body(body, "k-chat");
+  EXPECT_EQ(newer->status, 429);
+  EXPECT_EQ(newer->error_code, "rate_limit_exceeded");
+  EXPECT_NE(newer->error_message.find("higher-priority"), std::string::npos)
+      << newer->error_message;
+  EXPECT_FALSE(chat->complete());
+  EXPECT_FALSE(older->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 2u);
+  // A request of the lowest class finds the queue full, as before.
+  auto batch = c.send_body(body, "k-batch");
+  EXPECT_EQ(batch->status, 429);
+  EXPECT_NE(batch->error_message.find("queue is full"), std::string::npos) << batch->error_message;
+  auto chat2 = c.send_body(body, "k-chat");  // sheds the older batch request
+  EXPECT_EQ(older->status, 429);
+  // Nothing of a lower class waits now: one of the same class finds the queue full.
+  auto chat3 = c.send_body(body, "k-chat");
+  EXPECT_EQ(chat3->status, 429);
+  EXPECT_NE(chat3->error_message.find("queue is full"), std::string::npos) << chat3->error_message;
+  for (int i = 0; i < 3; ++i) c.answer_all();
+  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(chat->status, 200);
+  EXPECT_EQ(chat2->status, 200);
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+  EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed requests' queue timers went with them
+}
+
 TEST(Dispatcher, AnUnknownPriorityIsA400NamingTheField) {
   Cluster c(with_classes(aggregated({engine("a")})));
   for (const json& bad : {json(3), json("urgent")}) {
