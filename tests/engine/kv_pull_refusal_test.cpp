@@ -2,7 +2,8 @@
 // prefill engine's hold (PdCoordinator::on_fetch_done): each outcome of a failed pull
 // (KvFetchResult) gives the decode leg's error its status and code (api/error.h), which tell the
 // gateway what to do next, and the hold is released from here exactly where no pull will come
-// for it again and nothing else lets it go.
+// for it again and nothing else lets it go. Likewise a refused registration in a bootstrap room
+// abandons the room where nothing else would end its prefill leg.
 //
 // The engine runs a simulated executor in process, stepped by run_once(); its KV transfers are a
 // fake whose fetches end when the test ends them (kv_transfer_test.cpp has the real agents
@@ -43,8 +44,10 @@ class FakeTransfers final : public KvTransfers {
                       const std::string& transfer_id, std::vector<int32_t> blocks) override {
     releases.push_back({host, port, engine_id, transfer_id, std::move(blocks)});
   }
-  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
-                    const std::string&) override {}
+  void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t,
+                    int64_t prompt_tokens, const std::string&) override {
+    abandons.push_back({host, port, room, prompt_tokens});
+  }
   int64_t held_blocks() const override { return 0; }
 
   struct Release {
@@ -55,6 +58,13 @@ class FakeTransfers final : public KvTransfers {
   };
   std::vector<std::function<void(const KvFetchResult&)>> fetches;  // their ends, in order
   std::vector<Release> releases;
+  struct Abandon {
+    std::string host;
+    uint16_t port = 0;
+    uint64_t room = 0;
+    int64_t prompt_tokens = 0;
+  };
+  std::vector<Abandon> abandons;
 
  private:
   KvTransferConfig config_;
@@ -65,9 +75,12 @@ class FakeTransfers final : public KvTransfers {
 struct PullEnded {
   api::RequestOutput output;
   std::vector<FakeTransfers::Release> releases;
+  std::vector<FakeTransfers::Abandon> abandons;
 };
 
-PullEnded end_a_pull_with(const KvFetchResult& result) {
+// `mode`: a pull of a held transfer, or a registration in a bootstrap room (parallel mode).
+PullEnded end_a_pull_with(const KvFetchResult& result,
+                          KvTransferSpec::Mode mode = KvTransferSpec::Mode::kDecodeByPull) {
   metrics::Registry registry;
   FakeTransfers* fake = nullptr;
   EngineConfig config;
@@ -84,12 +97,16 @@ PullEnded end_a_pull_with(const KvFetchResult& result) {
   r.prompt = test::tokens(40, 100);
   r.sampling.max_tokens = 4;
   KvTransferSpec& kt = r.kv_transfer;
-  kt.mode = KvTransferSpec::Mode::kDecodeByPull;
+  kt.mode = mode;
   kt.host = "10.0.0.7";
   kt.port = 7100;
-  kt.engine_id = "prefill-0";
-  kt.transfer_id = "prefill-0-t0";
-  kt.remote_blocks = {4, 5, 6};
+  if (mode == KvTransferSpec::Mode::kDecodeByRoom) {
+    kt.room = 77;
+  } else {
+    kt.engine_id = "prefill-0";
+    kt.transfer_id = "prefill-0-t0";
+    kt.remote_blocks = {4, 5, 6};
+  }
   PullEnded ended;
   r.on_output = [&ended](const api::RequestOutput& o) {
     if (o.finished) ended.output = o;
@@ -102,6 +119,7 @@ PullEnded end_a_pull_with(const KvFetchResult& result) {
   for (int i = 0; i < 10 && !ended.output.finished; ++i) engine->run_once();
   EXPECT_TRUE(ended.output.finished);
   ended.releases = fake->releases;
+  ended.abandons = fake->abandons;
   engine->stop();
   return ended;
 }
@@ -125,6 +143,28 @@ TEST(KvPullRefusal, APrefillEngineBusyForNowIsA503KvTransferBusyAndKeepsTheHold)
   EXPECT_EQ(ended.output.error_code, api::kKvTransferBusyCode);
   EXPECT_NE(ended.output.error.find("try again"), std::string::npos) << ended.output.error;
   EXPECT_TRUE(ended.releases.empty()) << "the hold a retry pulls was released";
+}
+
+// A room's registration refused for the same reason leaves the room's prefill leg waiting for a
+// registration that will not come (the gateway retries the pair with another room): the engine
+// abandons the room, which ends that leg at once; it waited for the room's timeout. The leg still
+// fails as any refusal's, 502 without a code: a gateway reads kv_transfer_busy as "send the decode
+// leg again with the same KV" only in sequential mode, and in parallel mode as this engine full
+// for now, avoided by the retry.
+TEST(KvPullRefusal, ARoomRegistrationRefusedBusyAbandonsTheRoom) {
+  KvFetchResult busy = failed("too many KV transfer connections from this address; try again");
+  busy.prefill_busy = true;
+  const PullEnded ended = end_a_pull_with(busy, KvTransferSpec::Mode::kDecodeByRoom);
+  EXPECT_EQ(ended.output.finish_reason, "error");
+  EXPECT_EQ(ended.output.error_status, 502);
+  EXPECT_EQ(ended.output.error_code, "");
+  EXPECT_NE(ended.output.error.find("try again"), std::string::npos) << ended.output.error;
+  EXPECT_TRUE(ended.releases.empty());
+  ASSERT_EQ(ended.abandons.size(), 1u) << "the room's prefill leg waits for its timeout";
+  EXPECT_EQ(ended.abandons[0].host, "10.0.0.7");
+  EXPECT_EQ(ended.abandons[0].port, 7100);
+  EXPECT_EQ(ended.abandons[0].room, 77u);
+  EXPECT_EQ(ended.abandons[0].prompt_tokens, 40);
 }
 
 // A pull the prefill engine answered with a refusal (here blocks that do not match its hold), or

@@ -1343,6 +1343,32 @@ class KvTransferAgents : public ::testing::Test {
     EXPECT_TRUE(queue_.run_until([&] { return released; }));
   }
 
+  // A room's registration refused for the same reason says so too (prefill_busy): the decode
+  // engine then abandons the room (PdCoordinator::on_fetch_done), which ends its prefill leg at
+  // once. It was an ordinary refusal, after which nothing told the room, whose prefill leg waited
+  // for a registration until the room's timeout.
+  void a_busy_prefill_refuses_a_room_registration_for_now() {
+    handshake_timeout_s_ = 600;  // past the hang guard: only their closing frees their slots
+    start(600);                  // nor does the room time out
+    std::vector<std::unique_ptr<RawSocket>> silent;
+    for (int64_t i = 0; i < KvHandshakeCounts::kMaxPerAddress; ++i) {
+      silent.push_back(std::make_unique<RawSocket>(prefill_->port()));
+      ASSERT_TRUE(silent.back()->connected());
+    }
+    RoomOutcome done;
+    ASSERT_TRUE(open(95, kv_prompt_hash(prompt_), 11, room_done(done)));
+    const KvFetchResult refused = wait(fetch(enter_room(95, local_, "req-95")));
+    EXPECT_FALSE(refused.ok);
+    EXPECT_TRUE(refused.prefill_busy) << refused.error;
+    EXPECT_FALSE(refused.prefill_fault) << refused.error;
+    EXPECT_FALSE(refused.transfer_gone) << refused.error;
+    EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
+    EXPECT_FALSE(done.called) << "the refused registration ended the room: " << done.error;
+    silent.clear();
+    prefill_->room_failed(95, claims_[95], "test over");
+    ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  }
+
   Outcome fetch(KvTransferAgent& agent, KvFetch f) {
     auto out = std::make_shared<std::optional<KvFetchResult>>();
     agent.fetch(std::move(f), [out](const KvFetchResult& r) { *out = r; });
@@ -1743,6 +1769,15 @@ TEST_F(KvTransferAgents, APullRefusedForWantOfConnectionsSaysTheKvIsStillHeld) {
 TEST_F(KvTransferAgents, WithASecretAPullRefusedForWantOfConnectionsSaysTheKvIsStillHeld) {
   prefill_secret_ = decode_secret_ = "s3cret";
   a_busy_prefill_refuses_a_pull_for_now();
+}
+
+TEST_F(KvTransferAgents, ARoomRegistrationRefusedForWantOfConnectionsSaysSo) {
+  a_busy_prefill_refuses_a_room_registration_for_now();
+}
+
+TEST_F(KvTransferAgents, WithASecretARoomRegistrationRefusedForWantOfConnectionsSaysSo) {
+  prefill_secret_ = decode_secret_ = "s3cret";
+  a_busy_prefill_refuses_a_room_registration_for_now();
 }
 
 TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {

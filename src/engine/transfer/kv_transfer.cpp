@@ -1591,9 +1591,8 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     result.error = "KV transfer from the prefill engine at " + where + " failed: " + e.what();
     std::lock_guard lock(mutex_);
     result.transfer_gone = f.pull && dynamic_cast<const TransferGone*>(&e) != nullptr;
-    // A room's registration refused for now is no pull of KV held: its leg fails as any refusal's.
     result.prefill_busy =
-        f.pull && dynamic_cast<const PrefillBusy*>(&e) != nullptr && !slot->cancelled && !stopping_;
+        dynamic_cast<const PrefillBusy*>(&e) != nullptr && !slot->cancelled && !stopping_;
     result.prefill_fault = !dynamic_cast<const NotThePrefillsFault*>(&e) &&
                            !dynamic_cast<const KvTransferError*>(&e) && !slot->cancelled &&
                            !stopping_;

@@ -181,10 +181,11 @@ struct KvFetchResult {
   // --kv-transfer-timeout, was pulled already, or was never held there, as after a restart): no
   // engine's fault, and the prompt's KV is gone, so the request must be prefilled again.
   bool transfer_gone = false;
-  // A pull the prefill engine refused for now, before reading it: every KV transfer connection it
-  // allows (in all, or from this engine's address or its /64) was in use, or it could not start a
-  // thread for one. No engine's fault, and the KV is still held there: the same pull may succeed
-  // once a connection is free.
+  // A pull or a room's registration the prefill engine refused for now, before reading it: every
+  // KV transfer connection it allows (in all, or from this engine's address or its /64) was in
+  // use, or it could not start a thread for one. No engine's fault. A pull's KV is still held
+  // there: the same pull may succeed once a connection is free. A room's prefill leg still waits
+  // for a registration (PdCoordinator::on_fetch_done abandons the room).
   bool prefill_busy = false;
 };
 

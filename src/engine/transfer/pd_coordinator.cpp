@@ -126,10 +126,21 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // is full for now (503) and still holds the KV: the gateway sends the leg again with the
     // same kv_transfer_params after a short wait. Other failures (this engine's own, or an
     // answered refusal) name no engine at fault.
-    if (result.prefill_busy) {
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    if (result.prefill_busy && kt.mode == KvTransferSpec::Mode::kDecodeByPull) {
       host_.fail(seq, result.error, 503, std::string(api::kKvTransferBusyCode));
       return;
     }
+    // A room's registration refused for now leaves the room's prefill leg waiting for one until
+    // the room's timeout: nothing registers it again (a gateway retries the pair, with another
+    // room). Abandoned, that leg ends at once. The leg fails as any refusal's, without the busy
+    // code: a gateway sends a leg again with the same KV only in sequential mode, and in parallel
+    // mode would read a 503 as this engine full. (Best effort: the abandonment needs a connection
+    // of the same busy engine, and is lost if refused too.)
+    if (result.prefill_busy && kt.mode == KvTransferSpec::Mode::kDecodeByRoom)
+      agent_.abandon_room(kt.host, kt.port, kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                          "the decode request of bootstrap_room " + std::to_string(kt.room) +
+                              " was refused for now: " + result.error);
     const std::string_view code = result.prefill_fault   ? api::kKvTransferFailedCode
                                   : result.transfer_gone ? api::kKvTransferExpiredCode
                                                          : std::string_view();
@@ -140,7 +151,6 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // layout or secret that differs) or this engine's own failure left it held until
     // --kv-transfer-timeout. (A refusal a release meets as well, such as blocks that do not
     // match, changes nothing: the hold expires as before.)
-    const KvTransferSpec& kt = seq->request.kv_transfer;
     if (code.empty() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
       agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
     host_.fail(seq, result.error, 502, std::string(code));
