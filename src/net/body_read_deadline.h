@@ -3,15 +3,17 @@
 // caller passes in (the connection's loop clock; a test's numbers).
 //
 // Two bounds, the earlier wins:
-// - between reads: the next body bytes must arrive within `timeout` of the last ones (or of the
-//   head, before the first), as nginx's client_body_timeout. A client that sends slowly but
-//   steadily gets its whole body in, however long it takes; one that stops is found within
-//   `timeout`.
-// - in total: `timeout` after the body began, plus one second per `min_bytes_per_second` bytes
-//   received, as Apache's mod_reqtimeout (body=..., MinRate=...). A client must keep an average
-//   rate, so one that drips a byte per interval cannot hold a connection (and the body buffer it
-//   reserved) for ever. Scaled by what arrived, not by the announced length: a chunked body has
-//   none, and a large Content-Length must not buy time that the bytes never pay for.
+// - between reads: the body must make progress within `timeout` of its last progress (or of the
+//   head, before any), as nginx's client_body_timeout. A client that sends slowly but steadily
+//   gets its whole body in; one that stops is found within `timeout`.
+// - at a least rate: `timeout` after the body began, plus one second per `min_bytes_per_second`
+//   bytes of body data received, as Apache's mod_reqtimeout (body=..., MinRate=...). A client
+//   must keep an average rate, so one that drips a byte per interval cannot hold a connection for
+//   ever. Scaled by what arrived, not by the announced length: a chunked body has none, and a
+//   large Content-Length must not buy time that the bytes never pay for. Only data counts, as
+//   only data counts toward max_body_bytes: chunk framing is the client's to inflate (a
+//   chunk-size line may carry 4 KiB of extensions for one byte of data), so it moves the bound
+//   between reads but earns no time.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -21,31 +23,34 @@ namespace tandem::net::detail {
 
 class BodyReadDeadline {
  public:
-  // The body begins at `now_ms` (its head was read). `min_bytes_per_second` 0: no total bound.
+  // The body begins at `now_ms` (its head was read). `min_bytes_per_second` 0: no least rate.
   BodyReadDeadline(int64_t now_ms, std::chrono::milliseconds timeout, uint64_t min_bytes_per_second)
       : started_ms_(now_ms),
         last_progress_ms_(now_ms),
         timeout_ms_(timeout.count()),
         min_bytes_per_second_(min_bytes_per_second) {}
 
-  // `bytes` more of the body were read at `now_ms` (0: a read that made no progress, which
-  // extends nothing).
-  void received(int64_t now_ms, uint64_t bytes) {
-    if (bytes == 0) return;
-    received_ += bytes;
+  // A read at `now_ms` took `wire_bytes` of the body as sent (its data and, when chunked, its
+  // framing: chunk-size lines with their extensions, line ends, the trailer), `data_bytes` of them
+  // the body's own. 0 wire bytes: a read that made no progress, which extends nothing.
+  void received(int64_t now_ms, uint64_t wire_bytes, uint64_t data_bytes) {
+    if (wire_bytes == 0) return;
+    data_received_ += data_bytes;
     last_progress_ms_ = now_ms;
   }
 
   // The loop-clock time at which the body has timed out.
   int64_t due_ms() const {
-    const int64_t between_reads = saturating_add(last_progress_ms_, timeout_ms_);
-    if (min_bytes_per_second_ == 0) return between_reads;
-    const uint64_t earned_ms = received_ / min_bytes_per_second_ * 1000 +
-                               received_ % min_bytes_per_second_ * 1000 / min_bytes_per_second_;
-    const int64_t total = saturating_add(
-        saturating_add(started_ms_, timeout_ms_),
-        static_cast<int64_t>(std::min<uint64_t>(earned_ms, std::numeric_limits<int64_t>::max())));
-    return std::min(between_reads, total);
+    int64_t due = saturating_add(last_progress_ms_, timeout_ms_);
+    if (min_bytes_per_second_ > 0) {
+      const uint64_t earned_ms =
+          data_received_ / min_bytes_per_second_ * 1000 +
+          data_received_ % min_bytes_per_second_ * 1000 / min_bytes_per_second_;
+      due = std::min(due, saturating_add(saturating_add(started_ms_, timeout_ms_),
+                                         static_cast<int64_t>(std::min<uint64_t>(
+                                             earned_ms, std::numeric_limits<int64_t>::max()))));
+    }
+    return due;
   }
 
  private:
@@ -58,7 +63,7 @@ class BodyReadDeadline {
   int64_t last_progress_ms_;
   int64_t timeout_ms_;
   uint64_t min_bytes_per_second_;
-  uint64_t received_ = 0;
+  uint64_t data_received_ = 0;
 };
 
 }  // namespace tandem::net::detail

@@ -682,11 +682,12 @@ void Connection::process() {
       }
       case Phase::kBody: {
         size_t used = 0;
+        const size_t had = request_.body.size();
         Parse r = body_parser_.feed(in_.view(), used, request_.body, error_);
         in_.consume(used);
         if (r == Parse::kError) return fail_request(error_);
         if (used > 0) {
-          body_deadline_->received(loop_.now_ms(), used);
+          body_deadline_->received(loop_.now_ms(), used, request_.body.size() - had);
           read_deadline_ = body_deadline_->due_ms();
           arm_deadlines();  // a later deadline costs the timer nothing (EventLoop::timer_arm)
         }

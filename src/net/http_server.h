@@ -120,7 +120,8 @@ struct HttpServerOptions {
   // without an answer.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
   // The least average rate of a body: it must be complete within read_timeout of its head plus
-  // one second per this many bytes received (as Apache's mod_reqtimeout MinRate), else 408. So a
+  // one second per this many bytes of body data received (as Apache's mod_reqtimeout MinRate;
+  // chunk framing earns nothing, as it counts nothing toward max_body_bytes), else 408. So a
   // client that sends a byte within every read_timeout cannot hold a connection, and the body
   // buffer it reserved, for ever. 4 KiB/s is below any working link (GPRS is about 5 KB/s), and
   // to keep a connection for the longest an 8 MiB body allows (34 minutes) a client must send all

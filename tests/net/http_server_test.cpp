@@ -1511,11 +1511,48 @@ TEST(HttpServer, ABodyDrippedBelowTheLeastRateIsAnswered408) {
   EXPECT_EQ(calls.load(), 0);
 }
 
+// Chunk framing earns no time at the least rate: only body data counts, as only data counts
+// toward max_body_bytes. A chunk-size line may carry thousands of bytes of extensions for one
+// byte of data; were those counted, a client could hold a connection for days on a few bytes.
+TEST(HttpServer, AChunkedBodyWhoseFramingOutweighsItsDataIsAnswered408) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 200ms;
+  options.min_body_bytes_per_second = 1000;  // a byte of data earns 1 ms
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n");
+  // A 1-byte chunk with 1000 bytes of extensions per 100 ms, well within the read timeout: about
+  // 10 KB/s on the wire, 10 bytes/s of body. 200 ms plus a millisecond per byte of data is spent
+  // after two or three chunks; counting the framing, each chunk would earn a second.
+  const std::string chunk = "1;" + std::string(1000, 'e') + "\r\nb\r\n";
+  const int chunks = 50;  // 5 s
+  int sent = 0;
+  std::string raw;
+  char buf[4096];
+  while (sent < chunks && raw.find("\r\n\r\n") == std::string::npos) {
+    std::this_thread::sleep_for(100ms);
+    if (::send(c.fd(), chunk.data(), chunk.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(chunk.size())) {
+      break;  // the server answered and closed
+    }
+    ++sent;
+    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
+  }
+  // Answered while the client was still sending, not only once it stopped (a stop is 408 too).
+  EXPECT_LT(sent, chunks) << "still open after " << chunks << " chunks";
+  raw += c.read_all();
+  EXPECT_EQ(status_of(raw), 408) << raw;
+  expect_openai_error(body_of(raw), "invalid_request_error");
+  EXPECT_EQ(calls.load(), 0);
+}
+
 // The policy itself, on a clock of numbers (milliseconds).
 TEST(BodyReadDeadline, ABodyWithNoBytesIsDueOneTimeoutAfterItsHead) {
   detail::BodyReadDeadline d(1000, 30s, 4096);
   EXPECT_EQ(d.due_ms(), 31000);
-  d.received(20000, 0);  // a read that made no progress extends nothing
+  d.received(20000, 0, 0);  // a read that made no progress extends nothing
   EXPECT_EQ(d.due_ms(), 31000);
 }
 
@@ -1526,7 +1563,7 @@ TEST(BodyReadDeadline, ASteadySlowUploadNeverFallsDueThoughItTakesLongerThanTheT
   for (int second = 1; second <= 40; ++second) {
     now = second * 1000;
     ASSERT_LT(now, d.due_ms()) << "at " << second << " s";
-    d.received(now, 25000);
+    d.received(now, 25000, 25000);
   }
   EXPECT_GT(now, 30000);
   // It stops: due one timeout after the last bytes.
@@ -1536,16 +1573,28 @@ TEST(BodyReadDeadline, ASteadySlowUploadNeverFallsDueThoughItTakesLongerThanTheT
 TEST(BodyReadDeadline, ADripWithinEveryTimeoutIsDueByTheLeastAverageRate) {
   // A byte every 29 s never misses the timeout between reads, but earns only 1/4096 s each.
   detail::BodyReadDeadline d(0, 30s, 4096);
-  d.received(29000, 1);
+  d.received(29000, 1, 1);
   EXPECT_EQ(d.due_ms(), 30000);
   // 4096 bytes earn one second more.
-  d.received(29500, 4095);
+  d.received(29500, 4095, 4095);
   EXPECT_EQ(d.due_ms(), 31000);
+}
+
+TEST(BodyReadDeadline, ChunkFramingMovesTheTimeBetweenReadsButEarnsNothingAtTheLeastRate) {
+  // The review's client: a 1-byte chunk with ~4000 bytes of extensions once a second. Counted by
+  // wire bytes it earned about a second per chunk (8 MiB of body in ~97 days).
+  detail::BodyReadDeadline d(0, 30s, 4096);
+  for (int second = 1; second <= 29; ++second) d.received(second * 1000, 4010, 1);
+  EXPECT_EQ(d.due_ms(), 30000 + 29 * 1000 / 4096);  // 30 s and 29 bytes' worth, 7 ms
+  // A read of framing alone (a chunk-size line, a trailer) is progress between reads.
+  detail::BodyReadDeadline between(0, 30s, 0);
+  between.received(20000, 6, 0);
+  EXPECT_EQ(between.due_ms(), 50000);
 }
 
 TEST(BodyReadDeadline, WithoutALeastRateOnlyTheTimeBetweenReadsCounts) {
   detail::BodyReadDeadline d(0, 30s, 0);
-  d.received(29000, 1);
+  d.received(29000, 1, 1);
   EXPECT_EQ(d.due_ms(), 59000);
 }
 
