@@ -194,8 +194,8 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
     fill_load(l, e.load, e.counts, now, max_age);
     // Aggregated mode: the engine decodes its requests too, and those it has started running no
     // longer wait in its prefill queue (EndpointLoad::queued_prefill_seqs).
-    if (topo_.mode == PdMode::kAggregated && l.running_seqs >= 0)
-      l.queued_prefill_seqs = std::max<int64_t>(l.in_flight - l.running_seqs, 0);
+    if (topo_.mode == PdMode::kAggregated)
+      l.queued_prefill_seqs = queued_prefill_seqs(e.load, e.counts, e.in_flight, now, max_age);
     l.recently_failed = state && recently_failed(*state, e.id, now);
     (e.prefill ? v.prefill : v.decode).push_back(l);
   }
@@ -277,6 +277,7 @@ void EndpointTable::leg_started(EndpointState& e, const Leg& leg) {
   e.tokens_in_flight += leg.prompt_tokens;
   e.counts.uncached_in_flight += leg.uncached;
   e.counts.launched_total += leg.uncached;
+  ++e.counts.legs_launched;
   e.in_flight_gauge->set(static_cast<double>(e.in_flight));
   e.requests_total->inc();
 }
@@ -367,7 +368,7 @@ void EndpointTable::length_result(int id, std::optional<int64_t> max_model_len) 
   update_ready();
 }
 
-bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer,
+bool EndpointTable::load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
                                 Clock::time_point now) {
   EndpointState* e = find(id);
   if (!e) return false;
@@ -407,9 +408,10 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
   e->load_source = LoadSource::kReports;
   if (reports_a_restart(e->load, answer.report))
     forget_cached_prefixes(*e, "restarted (its load report shows another process)");
-  e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
+  e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll.work, now,
                    topo_.scheduling.tandem.prior);
   e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
+  e->load.legs_launched_at_poll = launched_at_poll.legs;
   return true;
 }
 

@@ -72,7 +72,7 @@ struct EndpointState {
   // Why its polls answer without a report although it is to report (a `tandem` engine, or an
   // `auto` one that reported): said once per change of reason, cleared when a report comes.
   std::string load_trouble;
-  PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
+  LaunchedAtPoll launched_at_last_poll;  // counts when the last poll left
   LengthQuery length_query = LengthQuery::kToAsk;
   int64_t max_model_len = 0;  // what its GET /v1/models said; 0: not known
   metrics::Gauge* in_flight_gauge = nullptr;
@@ -165,7 +165,8 @@ class EndpointTable {
   // (ejected by its probes), or an ejected engine's probes began to fail: the caller dispatches
   // again (engines_changed).
   bool probe_result(int id, bool ok, Clock::time_point now);
-  bool load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer, Clock::time_point now);
+  bool load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
+                   Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a
   // 5xx), else its max_model_len (0: an answer without one).
   void length_result(int id, std::optional<int64_t> max_model_len);

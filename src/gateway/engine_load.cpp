@@ -75,4 +75,16 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   }
 }
 
+int64_t queued_prefill_seqs(const EngineLoadState& state, const GatewayCounts& counts,
+                            int64_t in_flight, Clock::time_point now, Clock::duration max_age) {
+  if (!state.known || now - state.received > max_age) return -1;
+  // Not the gateway's legs less the engine's running sequences: those count other gateways'
+  // requests and a request's n sequences, so a long queue read as none. Legs that finished since
+  // the report are not taken off its waiting: most finished running; an early end costs one
+  // report's interval of caution.
+  const int64_t unreported = std::clamp<int64_t>(counts.legs_launched - state.legs_launched_at_poll,
+                                                 0, std::max<int64_t>(in_flight, 0));
+  return std::max<int64_t>(state.report.waiting, 0) + unreported;
+}
+
 }  // namespace tandem::gateway

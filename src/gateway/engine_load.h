@@ -33,6 +33,9 @@ struct EngineLoadState {
   // The gateway's count of uncached prompt tokens of legs finished there when the report
   // arrived: legs finishing after it no longer count against the report's queue.
   PrefillWork finished_at_report;
+  // The gateway's count of legs launched on the engine that the report is taken to include (as
+  // launched_at_poll).
+  int64_t legs_launched_at_poll = 0;
   uint64_t last_step = 0;  // the newest step index already observed
   BatchTimeEstimator batch_time;
 };
@@ -57,6 +60,14 @@ EngineLoadState absorb(EngineLoadState state, LoadReport report, PrefillWork lau
 struct GatewayCounts {
   PrefillWork uncached_in_flight;  // uncached prompt work of its prefill legs in flight there
   PrefillWork launched_total;      // uncached prompt work ever launched there
+  int64_t legs_launched = 0;       // legs ever launched there
+};
+
+// What the gateway had launched on an engine when a load poll left (GatewayCounts): the report
+// that poll's successor brings is taken to include these, not those launched after.
+struct LaunchedAtPoll {
+  PrefillWork work;
+  int64_t legs = 0;
 };
 
 // Fills `load`'s report-based fields (queued prefill tokens and pairs, running sequences, held
@@ -67,5 +78,15 @@ struct GatewayCounts {
 // once it has observations (the policy's prior otherwise); `load` must not outlive `state`.
 void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
                Clock::time_point now, Clock::duration max_age);
+
+// The sequences an engine that prefills and decodes its requests (aggregated mode) has still to
+// prefill, for EndpointLoad::queued_prefill_seqs: those its report says wait, which counts every
+// client's (other gateways' too) and each of a request's n sequences, plus the legs this gateway
+// launched there since the poll the report is taken to include (at most the `in_flight` legs it
+// has there). -1 without a report no older than `max_age`: the gateway cannot tell which of its
+// legs the engine has started (it does not see their first tokens), and the caller counts every
+// leg in flight.
+int64_t queued_prefill_seqs(const EngineLoadState& state, const GatewayCounts& counts,
+                            int64_t in_flight, Clock::time_point now, Clock::duration max_age);
 
 }  // namespace tandem::gateway

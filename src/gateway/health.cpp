@@ -91,8 +91,8 @@ void HealthMonitor::poll_loads() {
     e.load_polling = true;
     // A leg launched shortly before this poll may still be on its way into the engine when it
     // answers: the report is taken to know only the legs launched before the previous poll.
-    const PrefillWork launched = e.launched_at_last_poll;
-    e.launched_at_last_poll = e.counts.launched_total;
+    const LaunchedAtPoll launched = e.launched_at_last_poll;
+    e.launched_at_last_poll = {e.counts.launched_total, e.counts.legs_launched};
     const Upstream::CallId call = get_whole_answer(
         upstream_, engine_get(e, api::load_target(e.load.last_step)), kMaxAnswerBytes,
         [this, id = id, launched](const EngineAnswer& a) {

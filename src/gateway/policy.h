@@ -41,11 +41,11 @@ struct EndpointLoad {
   // The causal attention pairs of that queued work (api::causal_pairs), engine-reported; -1:
   // unknown (the cost then reads tokens only).
   int64_t queued_prefill_pairs = -1;
-  // Requests in flight there still to be prefilled, where the engine also decodes them (aggregated
-  // mode): those the engine has not started running (in_flight less its reported running
-  // sequences), so that requests already generating do not fill its prefill queue. -1: every
-  // request in flight counts (a prefill engine's are all prefill work; without a fresh report the
-  // gateway cannot tell).
+  // Sequences there still to be prefilled, where the engine also decodes them (aggregated mode):
+  // those its fresh report says wait (every client's, each of a request's n) plus the legs sent
+  // since (queued_prefill_seqs, engine_load.h), so that requests already generating do not fill
+  // its prefill queue. -1: every request in flight counts (a prefill engine's are all prefill
+  // work; without a fresh report the gateway cannot tell).
   int64_t queued_prefill_seqs = -1;
   int64_t running_seqs = -1;    // sequences the engine runs now (decode batch size)
   int64_t context_tokens = -1;  // tokens those sequences hold (prompt + generated)

@@ -256,5 +256,25 @@ TEST(EngineLoad, TheTandemPolicyAvoidsTheEngineReportedBusy) {
   EXPECT_EQ(c.endpoint, 1);
 }
 
+// An aggregated engine's sequences still to prefill: those it reports waiting plus the legs
+// launched since the poll its report answers, of which no more than are still in flight.
+TEST(EngineLoad, SequencesToPrefillAreTheReportedWaitingPlusTheLegsLaunchedSinceItsPoll) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  LoadReport r = api::parse_load_report(kReport);
+  r.running = 60;
+  r.waiting = 40;
+  EngineLoadState s = absorb({}, r, {}, t0, {});
+  s.legs_launched_at_poll = 42;
+  GatewayCounts counts;
+  counts.legs_launched = 42;
+  EXPECT_EQ(queued_prefill_seqs(s, counts, 42, t0, milliseconds(400)), 40);
+  counts.legs_launched = 45;
+  EXPECT_EQ(queued_prefill_seqs(s, counts, 45, t0, milliseconds(400)), 43);
+  // Two of the three already finished: at most the legs in flight are unreported.
+  EXPECT_EQ(queued_prefill_seqs(s, counts, 1, t0, milliseconds(400)), 41);
+  EXPECT_EQ(queued_prefill_seqs(s, counts, 45, t0 + milliseconds(401), milliseconds(400)), -1);
+  EXPECT_EQ(queued_prefill_seqs({}, counts, 45, t0, milliseconds(400)), -1);
+}
+
 }  // namespace
 }  // namespace tandem::gateway

@@ -1147,30 +1147,109 @@ TEST(Tandem, ADispatchPassFillsAnAggregatedEnginesPrefillQueueUpToTheLimit) {
   EXPECT_EQ(v.decode[0].in_flight, 72);
 }
 
-// The gateway's view: an aggregated engine's requests still to prefill are those it has in flight
-// there less the sequences the engine last reported running; unknown without a report, and never
-// counted for P/D engines.
-TEST(EndpointView, AnAggregatedEnginesPrefillQueueIsItsRequestsInFlightNotYetRunning) {
+// The gateway's view of an aggregated engine with `legs` of its requests in flight, each launched
+// before the poll whose report `report` answers (which therefore includes them).
+struct AggregatedEngineView {
   Topology topo;
-  topo.mode = PdMode::kAggregated;
+  PrefixIndex index;
+  metrics::Registry registry;
+  GatewayMetrics gateway_metrics{registry};
+  EndpointTable table{topo, gateway_metrics, index};
+  int id = -1;
+
+  explicit AggregatedEngineView(int legs, PdMode mode = PdMode::kAggregated) {
+    topo.mode = mode;
+    Endpoint engine;
+    engine.name = "engine-0";
+    engine.host = "engine-0.engines";
+    engine.port = 8000;
+    id = table.add(false, engine);
+    for (int i = 0; i < legs; ++i) start_leg();
+  }
+  void start_leg() {
+    Leg leg;
+    leg.endpoint = id;
+    leg.started = t0;
+    table.leg_started(*table.find(id), leg);
+  }
+  // A report of `running` and `waiting` sequences, taken to include every leg launched so far.
+  void report(int64_t running, int64_t waiting, Clock::time_point now = t0) {
+    LoadAnswer answer;
+    answer.kind = LoadAnswer::Kind::kReport;
+    answer.report.running = running;
+    answer.report.waiting = waiting;
+    answer.report.total_blocks = 100000;
+    answer.report.free_blocks = 50000;
+    answer.report.block_size = 16;
+    const EndpointState& e = *table.find(id);
+    table.load_result(id, {e.counts.launched_total, e.counts.legs_launched}, answer, now);
+  }
+  int64_t queued_seqs(Clock::time_point now = t0) const {
+    return table.view(now, nullptr).decode.at(0).queued_prefill_seqs;
+  }
+};
+
+// The gateway's view: an aggregated engine's sequences still to prefill are those it reports
+// waiting, which counts every client's and each of a request's sequences. The gateway's own legs
+// less the engine's running sequences read 0 whenever something else runs there.
+TEST(EndpointView, AnAggregatedEnginesPrefillQueueIsTheSequencesItReportsWaiting) {
+  AggregatedEngineView g(42);
+  EXPECT_EQ(g.queued_seqs(), -1);  // no report yet: all 42 count
+  // Another client's sequences running there too: 42 - 60 read 0 with 40 waiting.
+  g.report(60, 40);
+  EXPECT_EQ(g.queued_seqs(), 40);
+  g.report(60, 1000);
+  EXPECT_EQ(g.queued_seqs(), 1000);
+  // A report older than the view trusts (four polls): unknown again.
+  EXPECT_EQ(g.queued_seqs(t0 + seconds(10)), -1);
+}
+
+// Requests with n = 8 go to the engine as one leg each but run and wait as eight sequences.
+TEST(EndpointView, AnAggregatedEngineCountsEachOfARequestsNSequencesStillToPrefill) {
+  AggregatedEngineView g(10);
+  g.report(48, 32);  // 6 requests running, 4 waiting, 8 sequences each: 10 - 48 read 0
+  EXPECT_EQ(g.queued_seqs(), 32);
+}
+
+// Two gateways (`serve --gateways 2`) share the engine, 50 of each one's requests running there:
+// this one's 70 legs less 100 running read 0 while 40 wait, and it sent more.
+TEST(EndpointView, AnEngineSharedWithAnotherGatewayIsAtItsPrefillLimitWithItsQueueFull) {
+  AggregatedEngineView g(70);
+  g.report(100, 40);
+  const ClusterView v = g.table.view(t0, nullptr);
+  EXPECT_EQ(v.decode.at(0).queued_prefill_seqs, 40);
+  const auto p = make_policy("tandem");
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).kind, Choice::Kind::kSaturated);
+}
+
+// Legs launched after the poll a report answers are not in it: each counts as still to prefill
+// until a report includes it.
+TEST(EndpointView, LegsLaunchedSinceTheReportsPollCountAsStillToPrefill) {
+  AggregatedEngineView g(42);
+  g.report(41, 1);
+  for (int i = 0; i < 5; ++i) g.start_leg();
+  EXPECT_EQ(g.queued_seqs(), 6);
+  g.report(47, 0);
+  EXPECT_EQ(g.queued_seqs(), 0);
+}
+
+// P/D modes: the decode engine's legs are not its prefill work, and a prefill engine's all are.
+TEST(EndpointView, APdEnginesPrefillQueueIsNotCounted) {
+  Topology pd;
+  pd.mode = PdMode::kSequential;
   PrefixIndex index;
   metrics::Registry registry;
   GatewayMetrics gateway_metrics(registry);
-  EndpointTable table(topo, gateway_metrics, index);
+  EndpointTable pd_table(pd, gateway_metrics, index);
   Endpoint engine;
-  engine.name = "engine-0";
-  engine.host = "engine-0.engines";
+  engine.name = "prefill-0";
+  engine.host = "prefill-0.engines";
   engine.port = 8000;
-  const int id = table.add(false, engine);
-  const Clock::time_point now = t0;
-  for (int i = 0; i < 42; ++i) {
-    Leg leg;
-    leg.endpoint = id;
-    leg.started = now;
-    table.leg_started(*table.find(id), leg);
-  }
-  auto queued_seqs = [&] { return table.view(now, nullptr).decode.at(0).queued_prefill_seqs; };
-  EXPECT_EQ(queued_seqs(), -1);  // no report yet: all 42 count
+  const int prefill = pd_table.add(true, engine);
+  Endpoint decode_engine = engine;
+  decode_engine.name = "decode-0";
+  decode_engine.host = "decode-0.engines";
+  const int decode = pd_table.add(false, decode_engine);
   LoadAnswer answer;
   answer.kind = LoadAnswer::Kind::kReport;
   answer.report.running = 40;
@@ -1178,27 +1257,8 @@ TEST(EndpointView, AnAggregatedEnginesPrefillQueueIsItsRequestsInFlightNotYetRun
   answer.report.total_blocks = 1000;
   answer.report.free_blocks = 500;
   answer.report.block_size = 16;
-  table.load_result(id, {}, answer, now);
-  EXPECT_EQ(queued_seqs(), 2);
-  // Another client's sequences running there too: none of this gateway's counts as more than 0.
-  answer.report.running = 60;
-  table.load_result(id, {}, answer, now);
-  EXPECT_EQ(queued_seqs(), 0);
-  // A report older than the view trusts (four polls): unknown again.
-  EXPECT_EQ(table.view(now + std::chrono::seconds(10), nullptr).decode.at(0).queued_prefill_seqs,
-            -1);
-
-  // P/D modes: the decode engine's legs are not its prefill work, and a prefill engine's all are.
-  Topology pd;
-  pd.mode = PdMode::kSequential;
-  EndpointTable pd_table(pd, gateway_metrics, index);
-  const int prefill = pd_table.add(true, engine);
-  Endpoint decode_engine = engine;
-  decode_engine.name = "decode-0";
-  decode_engine.host = "decode-0.engines";
-  const int decode = pd_table.add(false, decode_engine);
-  for (const int e : {prefill, decode}) pd_table.load_result(e, {}, answer, now);
-  const ClusterView pd_view = pd_table.view(now, nullptr);
+  for (const int e : {prefill, decode}) pd_table.load_result(e, {}, answer, t0);
+  const ClusterView pd_view = pd_table.view(t0, nullptr);
   EXPECT_EQ(pd_view.prefill.at(0).queued_prefill_seqs, -1);
   EXPECT_EQ(pd_view.decode.at(0).queued_prefill_seqs, -1);
 }
