@@ -521,6 +521,7 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   void read_input();
   void process();
   void begin_request();
+  void make_room_for_body();
   void dispatch();
   void pump();
   bool flush();
@@ -681,6 +682,7 @@ void Connection::process() {
         break;
       }
       case Phase::kBody: {
+        if (head_.body == BodyKind::kLength) make_room_for_body();
         size_t used = 0;
         const size_t had = request_.body.size();
         Parse r = body_parser_.feed(in_.view(), used, request_.body, error_);
@@ -745,9 +747,6 @@ void Connection::begin_request() {
                           " bytes"};
     return fail_request(e);
   }
-  if (head_.body == BodyKind::kLength) {
-    request_.body.reserve(static_cast<size_t>(head_.content_length));
-  }
   body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
   phase_ = Phase::kBody;
   body_deadline_.emplace(loop_.now_ms(), options.read_timeout, options.min_body_bytes_per_second);
@@ -757,6 +756,20 @@ void Connection::begin_request() {
     out_ += "HTTP/1.1 100 Continue\r\n\r\n";
     flush();
   }
+}
+
+// A body of announced length gets its buffer as its bytes arrive, doubling up to that length.
+// Reserved up front, a head alone made the server hold the whole announced length (8 MiB for a
+// head announcing it) for as long as the body's deadline allowed. Doubling keeps the copies to
+// about the body's size in all, and the last step is exact, so a body never holds more than its
+// length.
+void Connection::make_room_for_body() {
+  std::string& body = request_.body;
+  const uint64_t length = head_.content_length;
+  const size_t wanted = body.size() + std::min<uint64_t>(in_.size(), length - body.size());
+  if (wanted <= body.capacity()) return;
+  body.reserve(
+      static_cast<size_t>(std::min<uint64_t>(length, std::max(wanted, 2 * body.capacity()))));
 }
 
 void Connection::dispatch() {
