@@ -107,14 +107,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     r.prompt_tokens = prompt_tokens;
     r.done = std::move(done);
     r.layer_times.assign(size_t(layout_.layers), -1);
+    r.opened = now_();
     const uint64_t claim = r.claim;
-    if (!r.decode) {
-      arm_room_timeout(room);  // the decode leg has not registered yet
-    } else {
-      net_.clock_.cancel(r.timeout);
-      if (r.decode->prompt_hash != prompt_hash)
-        fail_room(room, "the decode leg's prompt differs from this prefill's (prompt hash)");
-    }
+    if (r.decode && r.decode->prompt_hash != prompt_hash)
+      fail_room(room, "the decode leg's prompt differs from this prefill's (prompt hash)");
+    else
+      arm_room_wait(room);
     return claim;
   }
   void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) override {
@@ -126,13 +124,21 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double t = now_();
     for (int64_t l = 0; l < std::min<int64_t>(layers, layout_.layers); ++l)
       if (r->layer_times[size_t(l)] < 0) r->layer_times[size_t(l)] = t;
+    arm_room_wait(room);
     maybe_send(room);
   }
   void room_failed(uint64_t room, uint64_t claim, const std::string& reason) override {
     if (find_room(room, claim)) fail_room(room, reason);
   }
-  // Virtual links have no I/O timeout to restart: progress changes nothing.
-  void room_progress(uint64_t, uint64_t, int64_t) override {}
+  // A chunk of the prompt was computed: as the live agent's progress frame, it restarts the
+  // room's wait (only a count that grew within the prompt is progress).
+  void room_progress(uint64_t room, uint64_t claim, int64_t computed_tokens) override {
+    Room* r = find_room(room, claim);
+    if (!r || computed_tokens <= r->computed_tokens || computed_tokens > r->prompt_tokens) return;
+    r->computed_tokens = computed_tokens;
+    r->progressed = now_();
+    arm_room_wait(room);
+  }
 
   // ---- decode side
 
@@ -217,9 +223,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     RoomDone done;
     std::vector<int32_t> blocks;
     std::vector<double> layer_times;  // when each layer was written; -1: not yet
+    double opened = 0;                // when the prefill leg claimed it
+    double progressed = -1;           // when its prompt last progressed; -1: not yet
+    int64_t computed_tokens = 0;      // of the prompt, by the last progress
     std::optional<Registration> decode;
     bool sending = false;
-    gateway::Executor::TimerId timeout;
+    gateway::Executor::TimerId timeout;  // arm_room_wait's
   };
   struct Fetch {
     std::function<void(const KvFetchResult&)> done;
@@ -331,14 +340,17 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
   void after_link_time(Endpoint* peer, TimePoint from, Duration length,
                        gateway::Executor::Task done, LinkFailed failed) {
-    from = both_awake_from(peer, from);
-    if (from.time_since_epoch() + length > duration_of(kMaxVirtualSeconds)) {
-      failed(too_slow_error(peer, seconds_of(from + length)), false);
+    const TimePoint awake = both_awake_from(peer, from);
+    if (awake.time_since_epoch() + length > duration_of(kMaxVirtualSeconds)) {
+      failed(too_slow_error(peer, seconds_of(awake + length)), false);
       return;
     }
     const uint64_t id = ++next_link_;
+    // From `from`, not from the wake: a stall under way already (the decode engine froze after it
+    // registered a room) holds the first frame, which times out as any other would.
     links_[id] = {peer, from, std::move(failed)};
-    link_end(id, from + length, std::move(done));
+    check_stalled_link(id);
+    link_end(id, awake + length, std::move(done));
   }
   void link_end(uint64_t id, TimePoint end, gateway::Executor::Task done) {
     at(end, [this, id, end, done = std::move(done)]() mutable {
@@ -368,27 +380,31 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // A stall began on `stalled`: a transfer of this engine's whose link it freezes, with its
   // peer's stalls, for longer than the transfer timeout fails at that timeout.
   void check_stalled_links(const Endpoint* stalled) {
-    const TimePoint now = net_.clock_.now();
-    const Duration limit = duration_of(config_.timeout_s);
-    for (auto& [id, l] : links_) {
-      if (l.failing || (stalled != this && stalled != l.peer)) continue;
-      const std::optional<TimePoint> stopped =
-          frozen_past(l.peer, l.from, now + Duration(1), limit);
-      if (!stopped) continue;
-      l.failing = true;
-      at(*stopped + limit, [this, id = id, limit_s = config_.timeout_s] {
-        auto it = links_.find(id);
-        if (it == links_.end()) return;
-        LinkFailed failed = std::move(it->second.failed);
-        links_.erase(it);
-        failed("no KV frame moved within the transfer timeout of " + seconds_text(limit_s) +
-                   " s (--kv-transfer-timeout): an engine of the link stalled",
-               true);
-      });
-    }
+    for (const auto& [id, l] : links_)
+      if (stalled == this || stalled == l.peer) check_stalled_link(id);
   }
 
  private:
+  // The stalls begun by now fail link `id` if they freeze it for longer than the transfer timeout.
+  void check_stalled_link(uint64_t id) {
+    Link& l = links_.at(id);
+    if (l.failing) return;
+    const Duration limit = duration_of(config_.timeout_s);
+    const std::optional<TimePoint> stopped =
+        frozen_past(l.peer, l.from, net_.clock_.now() + Duration(1), limit);
+    if (!stopped) return;
+    l.failing = true;
+    at(*stopped + limit, [this, id, limit_s = config_.timeout_s] {
+      auto it = links_.find(id);
+      if (it == links_.end()) return;
+      LinkFailed failed = std::move(it->second.failed);
+      links_.erase(it);
+      failed("no KV frame moved within the transfer timeout of " + seconds_text(limit_s) +
+                 " s (--kv-transfer-timeout): an engine of the link stalled",
+             true);
+    });
+  }
+
   // A transfer under way on a link of this (prefill) engine's (after_link_time).
   struct Link {
     Endpoint* peer = nullptr;
@@ -531,14 +547,14 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
                             std::max<int64_t>(f.num_tokens - f.first_token, 0), now_s()};
     if (r.claim == 0) {
       if (r.layer_times.empty()) r.layer_times.assign(size_t(layout_.layers), -1);
-      arm_room_timeout(f.room);  // the prefill leg has not arrived yet
+      arm_room_wait(f.room);  // the prefill leg has not arrived yet
       return;
     }
-    net_.clock_.cancel(r.timeout);
     if (r.prompt_hash != f.prompt_hash) {
       fail_room(f.room, "the decode leg's prompt differs from this prefill's (prompt hash)");
       return;
     }
+    arm_room_wait(f.room);
     maybe_send(f.room);
   }
 
@@ -551,6 +567,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     for (double t : r.layer_times)
       if (t < 0) return;
     r.sending = true;
+    net_.clock_.cancel(r.timeout);  // the layers go: each frame has its own timeout (links_)
     const double layer_bytes = double(r.decode->tokens) * double(layout_.token_bytes);
     double link_free = r.decode->registered;
     const double speed = bytes_per_s(r.decode->endpoint);
@@ -577,14 +594,58 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
         });
   }
 
-  void arm_room_timeout(uint64_t room) {
-    Room& r = rooms_[room];
+  // The room's wait for what comes next, as the live agent's room deadline and the decode
+  // engine's await_room bound it (kv_transfer.cpp): a decode leg alone waits for the prefill leg
+  // from its registration; a prefill leg alone waits for the decode leg from when its last layer
+  // was written (its prompt may compute for longer than the timeout: the live reaper leaves such a
+  // room be); with both legs, the decode engine waits from its registration and the prefill leg
+  // from open_room, each again from each progress of the prompt, until its first layer is written.
+  void arm_room_wait(uint64_t room) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return;
+    Room& r = it->second;
     net_.clock_.cancel(r.timeout);
-    r.timeout = at(now_s() + config_.timeout_s, [this, room] {
+    r.timeout = {};
+    const double written = *std::max_element(r.layer_times.begin(), r.layer_times.end());
+    const bool all_written = *std::min_element(r.layer_times.begin(), r.layer_times.end()) >= 0;
+    const auto other_leg_missed = [this, room] {
       fail_room(room, "bootstrap room " + std::to_string(room) +
                           ": the other leg did not come within " +
                           std::to_string(config_.timeout_s) + " s");
-    });
+    };
+    if (r.sending) return;
+    if (r.claim == 0) {
+      r.timeout = at(r.decode->registered + config_.timeout_s, other_leg_missed);
+    } else if (!r.decode) {
+      if (all_written) r.timeout = at(written + config_.timeout_s, other_leg_missed);
+    } else if (written < 0) {
+      // The decode engine's wait begins as it sends its registration, and again as each
+      // progress frame reaches it: a link's latency before and after the prefill engine's times.
+      const double latency_s = net_.link_.latency_s;
+      const double decode_timeout_s = r.decode->endpoint->config_.timeout_s;
+      const double decode_waits_from =
+          r.progressed < 0 ? r.decode->registered - latency_s
+                           : std::max(r.decode->registered - latency_s, r.progressed + latency_s);
+      const double decode_gives_up = decode_waits_from + decode_timeout_s;
+      const double prefill_gives_up = std::max(r.opened, r.progressed) + config_.timeout_s;
+      const std::string name = "the prefill of bootstrap_room " + std::to_string(room);
+      if (decode_gives_up <= prefill_gives_up)
+        r.timeout = at(decode_gives_up, [this, room, name, decode_timeout_s,
+                                         computed = r.computed_tokens, tokens = r.prompt_tokens] {
+          // The decode engine gives up and closes its connection: the prefill engine's fault.
+          fail_room(room,
+                    name + " made no progress within " + seconds_text(decode_timeout_s) + " s (" +
+                        std::to_string(computed) + " of its " + std::to_string(tokens) +
+                        " tokens computed)",
+                    false, true);
+        });
+      else
+        r.timeout = at(prefill_gives_up, [this, room, name] {
+          // The prefill engine's answer to the decode engine: a refusal, no engine's fault.
+          fail_room(room,
+                    name + " did not complete within " + seconds_text(config_.timeout_s) + " s");
+        });
+    }
   }
 
   // The room ends badly: both legs hear why (`abandoned`: the decode leg abandoned it;

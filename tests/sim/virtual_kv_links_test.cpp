@@ -2,6 +2,7 @@
 // agents do (kv_transfer_test.cpp covers those), so that a simulated run takes the same paths.
 #include "sim/virtual_kv_links.h"
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +37,13 @@ struct RoomEnd {
   std::optional<bool> ok;
   std::string error;
   bool abandoned = false;
+  double at_s = -1;  // when it was posted to the prefill engine (VirtualKvLinks::run_until's)
+};
+
+// A fetch's outcome and the virtual instant it was posted to the decode engine.
+struct FetchEnd {
+  std::optional<engine::KvFetchResult> result;
+  double at_s = -1;
 };
 
 class VirtualKvLinks : public ::testing::Test {
@@ -68,14 +76,49 @@ class VirtualKvLinks : public ::testing::Test {
     engine_tasks_.clear();
   }
   KvTransfers::RoomDone room_end(RoomEnd& end) {
-    return [&end](bool ok, const std::string& error, bool abandoned) {
+    return [this, &end](bool ok, const std::string& error, bool abandoned) {
       end.ok = ok;
       end.error = error;
       end.abandoned = abandoned;
+      end.at_s = seconds_of(clock_.now()) - start_s_;
     };
+  }
+  std::function<void(const engine::KvFetchResult&)> fetch_end(FetchEnd& end) {
+    return [this, &end](const engine::KvFetchResult& r) {
+      end.result = r;
+      end.at_s = seconds_of(clock_.now()) - start_s_;
+    };
+  }
+  // Runs the links timer by timer up to `until_s` after the test began, and what they post to the
+  // engines at once.
+  void run_until(double until_s) {
+    gateway::Executor::Clock::time_point next;
+    for (;;) {
+      for (size_t i = 0; i < engine_tasks_.size(); ++i) engine_tasks_[i]();
+      engine_tasks_.clear();
+      if (!clock_.next_timer(&next) || next > time_at(start_s_ + until_s)) break;
+      clock_.advance_to(next);
+    }
+    clock_.advance_to(time_at(start_s_ + until_s));
+  }
+  // The decode leg of room 7, an 8-token prompt of hash 1234 (2 layers of 8 tokens of 8 bytes:
+  // 128 bytes, 5.12 ns at 25 GB/s), registered over TCP with the prefill engine.
+  static engine::KvFetch registration() {
+    engine::KvFetch f;
+    f.request_id = "registered";
+    f.pull = false;
+    f.host = "prefill-host";
+    f.port = 1;
+    f.engine_id = "prefill";
+    f.room = 7;
+    f.prompt_hash = 1234;
+    f.prompt_tokens = f.num_tokens = 8;
+    f.local_blocks = {0, 1};
+    return f;
   }
 
   gateway::VirtualExecutor clock_;
+  const double start_s_ = seconds_of(clock_.now());  // run_until's instants count from it
   VirtualKvNetwork net_{clock_, KvLinkModel{}};
   LayoutOnly executor_;
   std::vector<KvTransfers::Task> engine_tasks_;
@@ -169,6 +212,136 @@ TEST_F(VirtualKvLinks, AnAbandonmentsRefusalExpiresWithTheTimeout) {
 // A transfer a slow-link fault slows past what the virtual clock counts (a long prompt over a
 // link slowed a millionfold takes centuries) fails alone, saying which flags made it so; the run
 // goes on (it used to end with the clock's own error, every result lost).
+// A prefill leg that comes before its decode leg waits for it however long its prompt computes,
+// as the live agent's reaper leaves a room whose layers are not all written; its timeout counts
+// from its last layer (KvTransferAgent::room_layers_done). Timeout 30 s.
+TEST_F(VirtualKvLinks, APrefillLegThatComesFirstWaitsOutItsComputeAndThenTheTimeout) {
+  RoomEnd served, unserved;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(served));
+  const uint64_t alone = prefill_->open_room(8, 1234, 8, room_end(unserved));
+  ASSERT_NE(claim, 0u);
+  ASSERT_NE(alone, 0u);
+  run_until(40);  // both prompts compute for 40 s, past the timeout
+  EXPECT_FALSE(served.ok.has_value()) << served.error;
+  EXPECT_FALSE(unserved.ok.has_value()) << unserved.error;
+  prefill_->room_layers_done(7, claim, 2);
+  prefill_->room_layers_done(8, alone, 2);
+  run_until(45);
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));  // room 7's decode leg, 5 s later
+  run_until(69);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_TRUE(fetched.result->ok) << fetched.result->error;
+  EXPECT_EQ(served.ok, std::optional<bool>(true)) << served.error;
+  EXPECT_FALSE(unserved.ok.has_value()) << unserved.error;
+  run_until(80);  // room 8 never had a decode leg: it fails 30 s after its last layer, at 70 s
+  EXPECT_EQ(unserved.ok, std::optional<bool>(false));
+  EXPECT_NEAR(unserved.at_s, 70, 1e-9);
+}
+
+// With both legs there and no layer written yet, the live decode engine waits for the prompt's
+// progress (KvTransferAgent::await_room) from when it sent its registration, and again from each
+// progress frame (a grown count of computed tokens) it receives; the prefill engine's room
+// deadline runs from open_room and each progress. The first to pass fails the room: the decode
+// engine's as the prefill engine's fault, the prefill engine's as its refusal. Timeouts 30 s, a
+// link's latency 50 us; the failure reaches the decode engine a latency after the prefill engine.
+TEST_F(VirtualKvLinks, ARoomWithBothLegsWaitsForItsPromptsProgressWithinTheTimeout) {
+  // Room 7: no progress. Room 8: progress every 25 s. Room 9: its count does not grow at 45 s.
+  // Room 10: the prefill leg comes 5 s before the decode leg and makes no progress.
+  std::map<uint64_t, RoomEnd> rooms;
+  std::map<uint64_t, FetchEnd> fetches;
+  std::map<uint64_t, uint64_t> claims;
+  const auto register_leg = [&](uint64_t room) {
+    engine::KvFetch f = registration();
+    f.room = room;
+    f.request_id = "registered-" + std::to_string(room);
+    decode_->fetch(f, fetch_end(fetches[room]));
+  };
+  const auto open = [&](uint64_t room) {
+    claims[room] = prefill_->open_room(room, 1234, 8, room_end(rooms[room]));
+    ASSERT_NE(claims[room], 0u) << room;
+  };
+  for (const uint64_t room : {7, 8, 9}) register_leg(room);
+  open(10);
+  run_until(5);
+  register_leg(10);
+  run_until(10);
+  for (const uint64_t room : {7, 8, 9}) open(room);
+  run_until(20);
+  prefill_->room_progress(8, claims[8], 2);
+  prefill_->room_progress(9, claims[9], 2);
+  run_until(45);
+  prefill_->room_progress(8, claims[8], 4);
+  prefill_->room_progress(9, claims[9], 2);  // no progress
+  run_until(50);
+  prefill_->room_layers_done(7, claims[7], 2);  // too late
+  run_until(70);
+  prefill_->room_progress(8, claims[8], 6);
+  run_until(95);
+  prefill_->room_layers_done(8, claims[8], 2);
+  run_until(100);
+
+  for (const uint64_t room : {7, 8, 9, 10}) {
+    SCOPED_TRACE("room " + std::to_string(room));
+    ASSERT_TRUE(fetches[room].result.has_value());
+    ASSERT_TRUE(rooms[room].ok.has_value());
+  }
+  EXPECT_TRUE(fetches[8].result->ok) << fetches[8].result->error;
+  EXPECT_EQ(rooms[8].ok, std::optional<bool>(true)) << rooms[8].error;
+
+  // Room 7: the decode engine sent its registration at 0 s and gives up at 30 s.
+  EXPECT_FALSE(fetches[7].result->ok);
+  EXPECT_TRUE(fetches[7].result->prefill_fault);
+  EXPECT_EQ(fetches[7].result->error,
+            "the prefill of bootstrap_room 7 made no progress within 30 s (0 of its 8 tokens "
+            "computed)");
+  EXPECT_EQ(rooms[7].error, fetches[7].result->error);
+  EXPECT_NEAR(rooms[7].at_s, 30, 1e-6);
+  EXPECT_NEAR(fetches[7].at_s, 30.00005, 1e-6);
+
+  // Room 9: progress at 20 s; the prefill engine's deadline (20 s + 30 s) passes before the
+  // decode engine's (20.00005 s + 30 s).
+  EXPECT_FALSE(fetches[9].result->ok);
+  EXPECT_FALSE(fetches[9].result->prefill_fault);
+  EXPECT_EQ(fetches[9].result->error,
+            "the prefill of bootstrap_room 9 did not complete within 30 s");
+  EXPECT_NEAR(rooms[9].at_s, 50, 1e-6);
+  EXPECT_NEAR(fetches[9].at_s, 50.00005, 1e-6);
+
+  // Room 10: opened at 0 s, its deadline passes at 30 s, before the decode engine's at 35 s.
+  EXPECT_FALSE(fetches[10].result->ok);
+  EXPECT_FALSE(fetches[10].result->prefill_fault);
+  EXPECT_EQ(fetches[10].result->error,
+            "the prefill of bootstrap_room 10 did not complete within 30 s");
+  EXPECT_NEAR(rooms[10].at_s, 30, 1e-6);
+}
+
+// A decode engine that stalls after registering its room, before the room's layers are written,
+// holds the first frame the prefill engine sends: live, that send times out after the transfer
+// timeout (30 s) from when it began, as the prefill engine's fault, whenever the stall began.
+TEST_F(VirtualKvLinks, ARoomSendToADecodeEngineStalledBeforeItBeganTimesOut) {
+  RoomEnd room;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(room));
+  ASSERT_NE(claim, 0u);
+  run_until(1);
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(2);
+  net_.stall("decode", time_at(start_s_ + 100));  // frozen from 2 s to 100 s
+  run_until(5);
+  prefill_->room_layers_done(7, claim, 2);  // the send begins at 5 s
+  run_until(200);
+  ASSERT_TRUE(room.ok.has_value());
+  EXPECT_FALSE(*room.ok);
+  EXPECT_NEAR(room.at_s, 35, 1e-9);
+  EXPECT_EQ(room.error,
+            "no KV frame moved within the transfer timeout of 30 s (--kv-transfer-timeout): an "
+            "engine of the link stalled");
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_TRUE(fetched.result->prefill_fault);
+}
+
 TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   const int64_t tokens = int64_t{1} << 45;  // 16 bytes each: 10^10 s at 25 GB/s slowed 10^6 x
   net_.slow("prefill", 1e6);
@@ -207,12 +380,6 @@ TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   EXPECT_EQ(room.ok, std::optional<bool>(false));
   EXPECT_EQ(room.error, pushed->error);
 }
-
-// A fetch's outcome and the virtual instant it was posted to the decode engine.
-struct FetchEnd {
-  std::optional<engine::KvFetchResult> result;
-  double at_s = -1;
-};
 
 // A decode engine's fetch from a stalled prefill engine ends as a live engine's does
 // (KvTransferAgent::run_fetch): what needs the prefill's answer before any KV moves (a pull's
