@@ -955,32 +955,50 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
 }
 
 TEST(ClusterSimulation, ATransferFrozenByAStallLongerThanTheTransferTimeoutFails) {
-  // Live, each frame of a transfer is sent and received within --kv-transfer-timeout: a prefill
-  // engine stopped mid-transfer for longer fails it at the timeout as its fault, and the gateway
-  // prefills the request again on the other prefill engine. prefill-0 (round robin's first)
-  // stalls from 3 s to 4.5 s (its probe of 4 s answered within the probe timeout: not ejected)
-  // with the transfer of a 200-token prompt's KV (over 5 s at 1 MB/s) under way; with a 1 s
-  // timeout it fails at 4 s, and the KV moves again from prefill-1, the first token after 4 s
-  // plus a whole transfer. The simulator paused the transfer for the stall and went on, the first
-  // token a transfer and 1.5 s in.
-  for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel}) {
-    SCOPED_TRACE(gateway::mode_name(mode));
-    auto o = pd_options(mode, 2, 1, "deepseek-v3-h800");
-    o.gateway.policy = "round_robin";
-    o.kv_link.bytes_per_s = 1e6;
-    o.kv_transfer_timeout_s = 1;
-    o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
-        std::chrono::seconds(10000);
-    o.faults = {{Fault::Kind::kStall, "prefill-0", 3.0, 1.5}};
-    const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
-    ASSERT_TRUE(run.results[0].success) << run.results[0].error;
-    EXPECT_EQ(run.retries, 1);
-    ASSERT_EQ(run.kv_transfers, 1);  // the second
-    const double transfer_s = run.kv_transfer_bytes / 1e6;
-    EXPECT_GT(transfer_s, 5);  // the first was under way at 3 s
-    EXPECT_GE(run.results[0].ttft_s, 4.0 + transfer_s);
-    EXPECT_LT(run.results[0].ttft_s, 4.0 + transfer_s + 1.0);
-  }
+  // Live, each frame of a transfer is sent and received within --kv-transfer-timeout: an engine
+  // stopped mid-transfer for longer fails it at the timeout from the stall's start, as the prefill
+  // engine's fault, and the gateway prefills the request again on the other prefill engine. The
+  // transfer of a 200-token prompt's KV (over 5 s at 1 MB/s) from prefill-0 to decode-0 is under
+  // way when one of them stalls from 3 s to 4.5 s (its probe of 4 s answered within the probe
+  // timeout: not ejected); with a 1 s timeout it fails at 4 s. prefill-0 stalled: decode-0 hears
+  // it at once and the KV moves again from prefill-1, the first token after 4 s plus a whole
+  // transfer. decode-0 stalled: it hears it when it wakes at 4.5 s, and the first token comes
+  // after 4.5 s plus a whole transfer. The access log names the attempt that served the request:
+  // prefill-1, as the first attempt's prefill engine was blamed, by decode-0's failed fetch (in
+  // parallel mode with decode-0 stalled, by prefill-0's own leg, failed with its room at 4 s), and
+  // left out of the retry; blamed on decode-0, the retry went back to prefill-0, which holds the
+  // prompt's prefix. The simulator paused the transfer for the stall and went on, the first token
+  // a transfer and 1.5 s in. Every block is free at the end: the failed hold or room let go.
+  for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel})
+    for (const std::string stalled : {"prefill-0", "decode-0"}) {
+      SCOPED_TRACE(std::string(gateway::mode_name(mode)) + " " + stalled);
+      auto o = pd_options(mode, 2, 1, "deepseek-v3-h800");
+      o.gateway.policy = "cache_aware";  // prefill-0 first (both idle), then where the prefix is
+      const auto path = test::scratch_path("tandem_sim_frozen_transfer", ".log");
+      o.gateway.access_log = path.string();
+      o.kv_link.bytes_per_s = 1e6;
+      o.kv_transfer_timeout_s = 1;
+      o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+          std::chrono::seconds(10000);
+      o.faults = {{Fault::Kind::kStall, stalled, 3.0, 1.5}};
+      const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
+      ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+      EXPECT_EQ(run.retries, 1);
+      ASSERT_EQ(run.kv_transfers, 1);  // the second
+      const double transfer_s = run.kv_transfer_bytes / 1e6;
+      EXPECT_GT(transfer_s, 5);  // the first was under way at 3 s
+      const double retried_s = stalled == "prefill-0" ? 4.0 : 4.5;
+      EXPECT_GE(run.results[0].ttft_s, retried_s + transfer_s);
+      EXPECT_LT(run.results[0].ttft_s, retried_s + transfer_s + 1.0);
+      std::ifstream in(path);
+      std::string line;
+      ASSERT_TRUE(std::getline(in, line));
+      const auto j = nlohmann::json::parse(line);
+      EXPECT_EQ(j["attempts"], 2);
+      EXPECT_EQ(j["prefill"], "prefill-1");
+      EXPECT_EQ(j["decode"], "decode-0");
+      for (const auto& e : run.engines) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+    }
 }
 
 TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeoutAndIsRetried) {
