@@ -717,10 +717,11 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
 // another decode engine with the same kv_transfer_params (its KV is known to be held still); one
 // whose prefill engine refused the pull for now (kNoEngineKvBusy) goes again with them too, to any
-// decode engine, after the topology's retry_backoff (each such retry spends one all the same); any
-// other failure of it before the client got anything (its engine died or hung, could not take the
-// KV from the prefill engine (kPrefillEngine), or found it gone there (kNoEngineKvGone)) starts
-// the request again from the prefill, as parallel mode retries its pair.
+// decode engine, after the topology's retry_backoff, for as long as the prefill engine holds the
+// KV (timeouts.decode_queue_ms; such a retry spends none of prefill_retries); any other failure
+// of it before the client got anything (its engine died or hung, could not take the KV from the
+// prefill engine (kPrefillEngine), or found it gone there (kNoEngineKvGone)) starts the request
+// again from the prefill, as parallel mode retries its pair.
 // What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message, Blame blame) {
@@ -740,25 +741,34 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
   const bool client_error = status >= 400 && status < 500;
   const bool sequential_decode = topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode;
   const bool retryable = !client_error || status == 429;
-  if (retryable && r->attempt < topo_.prefill_retries) {
+  // What the failed attempt's engine said goes to the access log, and the next attempt begins.
+  auto begin_next_attempt = [&] {
     const EndpointState* e = endpoints_.find(endpoint_id);
     r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
                                (message.empty() ? engine_said(status, body) : message));
     ++r->attempt;
     metrics_.retries.inc();
+  };
+  const bool kv_busy = sequential_decode && blame == Blame::kNoEngineKvBusy;
+  if (kv_busy && exec_.now() < r->kv_held_since + topo_.timeouts.decode_queue) {
+    // Waiting for a transfer connection is no failure: it goes again for as long as the prefill
+    // engine holds the KV, spending none of the retries (prefill_retries) that a failure may need
+    // later. Past that hold the client gets the engine's 503, and the KV is let go of.
+    begin_next_attempt();
+    ++r->busy_retries;
+    reserve_decode(*r, r->prefill_group);
+    enqueue_after_backoff(r);  // at once, it would find the transfer connections as busy
+    return;
+  }
+  if (retryable && !kv_busy && r->attempt - r->busy_retries < topo_.prefill_retries) {
+    begin_next_attempt();
     // r->prefill_endpoint is this attempt's: the next one has not started.
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
-    if (blame != Blame::kNoEngineKvGone && blame != Blame::kNoEngineKvBusy)
+    if (blame != Blame::kNoEngineKvGone)
       r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
     // The same KV for another decode engine (waiting to decode again), or the request from its
     // start (which sets no decode room aside until it is prefilled again): a decode leg that
     // reached its engine may have taken the KV, which then is that engine's to hold or free.
-    if (sequential_decode && blame == Blame::kNoEngineKvBusy) {
-      // At once, it would find the prefill engine's transfer connections as busy.
-      reserve_decode(*r, r->prefill_group);
-      enqueue_after_backoff(r);
-      return;
-    }
     if (sequential_decode && blame == Blame::kItsEngineUnreached) {
       reserve_decode(*r, r->prefill_group);
     } else {
@@ -795,7 +805,7 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
 }
 
 void Dispatcher::enqueue_after_backoff(const RequestPtr& r) {
-  const auto due = std::min(exec_.now() + topo_.retry_backoff.before(r->attempt),
+  const auto due = std::min(exec_.now() + topo_.retry_backoff.before(r->busy_retries),
                             r->kv_held_since + topo_.timeouts.decode_queue);
   // Weak: the timer must not keep a request that ended meanwhile alive (finished() accounted for
   // it, and let go of its KV).

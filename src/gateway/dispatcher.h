@@ -119,7 +119,8 @@ class Dispatcher {
     kNoEngineKvGone,
     // No engine: the prefill engine refused the decode engine's pull for now, its KV transfer
     // connections all in use (Leg::kv_transfer_busy). The KV is still held there: a decode leg
-    // goes again with it after the topology's retry_backoff, avoiding no engine.
+    // goes again with it after the topology's retry_backoff, avoiding no engine and spending no
+    // retry, until the hold's end (timeouts.decode_queue_ms).
     kNoEngineKvBusy,
   };
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
@@ -182,7 +183,7 @@ class Dispatcher {
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message, Blame blame);
   // Sequential mode, a decode stage whose prefill engine refused the pull for now: it joins the
-  // queue again (first in line) after the backoff of the request's retry, never later than its
+  // queue again (first in line) after the backoff of its busy retry, never later than its
   // KV's hold allows (timeouts.decode_queue_ms), unless it ended meanwhile.
   void enqueue_after_backoff(const RequestPtr& r);
   // A decode leg sent at `since` could not take its KV from this prefill engine: its failure, for

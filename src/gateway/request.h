@@ -143,6 +143,10 @@ struct Request {
   Stage stage = Stage::kFirst;
   Booking booking = Booking::kOutside;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
+  // Of those attempts, the ones that followed a decode leg whose prefill engine refused the pull
+  // for now (Dispatcher::Blame::kNoEngineKvBusy): they spend none of prefill_retries, and each
+  // waits longer (Topology::retry_backoff).
+  int busy_retries = 0;
   std::vector<int> excluded;
   // The attempt whose prefill engine's failure was counted (by its leg, or by a decode leg that
   // could not take its KV): one failure counts once, whichever leg tells of it first.

@@ -1995,27 +1995,38 @@ TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBa
   }
 }
 
-// Each retry of the request waits twice as long as the one before, up to retry_backoff_max_ms;
-// the refusals still spend retries (prefill_retries): once they are spent, the client gets the
-// engine's 503 and the prefill engine is told to let go of the KV that no decode engine took.
-TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyAndWhenSpentTheKvIsLetGo) {
+// The milliseconds until a decode leg is open (the clock advanced one at a time), at most `bound`;
+// -1 if none came.
+int ms_until_a_decode_leg(Cluster& c, int bound) {
+  for (int ms = 0; ms <= bound; ++ms) {
+    if (!c.engines.open("/v1/completions").empty()) return ms;
+    c.clock.advance_by(milliseconds(1));
+  }
+  return -1;
+}
+
+// Each busy retry waits twice as long as the one before, up to retry_backoff_max_ms, and the last
+// goes when the prefill engine's hold ends (timeouts.decode_queue_ms after its answer): refused
+// then too, the client gets the engine's 503 and the prefill engine is told to let go of the KV
+// that no decode engine took. Such retries spend none of prefill_retries: the third refusal was
+// answered 503 after 30 ms, with the KV held for long after.
+TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTheKvIsLetGo) {
   Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
   t.prefill.dialect = Dialect::kTandem;
-  t.prefill_retries = 3;
   t.retry_backoff.first = milliseconds(10);
   t.retry_backoff.max = milliseconds(30);
+  t.timeouts.decode_queue = milliseconds(100);
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
-  // Before each retry: 10, 20, then 30 (40 capped).
-  for (const int wait : {10, 20, 30}) {
+  // Sent at 0, 10, 30, 60 (40 capped to 30), 90, and at 100 when the hold ends.
+  for (const int wait : {10, 20, 30, 30, 10}) {
     auto decode = c.engines.open("/v1/completions");
     ASSERT_EQ(decode.size(), 1u) << wait;
     answer_kv_transfer_busy(*decode[0], false);
     c.clock.run_ready();
-    c.clock.advance_by(milliseconds(wait - 1));
-    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << wait;
-    c.clock.advance_by(milliseconds(1));
+    EXPECT_FALSE(client->complete()) << wait << ": " << client->status;
+    EXPECT_EQ(ms_until_a_decode_leg(c, 1000), wait);
   }
   auto last = c.engines.open("/v1/completions");
   ASSERT_EQ(last.size(), 1u);
@@ -2024,13 +2035,40 @@ TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyAndWhenSpentTheKvIsLetGo
   c.clock.run_ready();
   EXPECT_EQ(client->status, 503);
   EXPECT_EQ(client->body, kv_transfer_busy_answer());
-  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 3);
-  EXPECT_EQ(c.engines.all("/v1/completions").size(), 5u) << "one prefill, four decode legs";
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 5);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 7u) << "one prefill, six decode legs";
   const auto releases = c.engines.all("/v1/kv_transfer/release");
   ASSERT_EQ(releases.size(), 1u);
   EXPECT_EQ(host_of(*releases[0]), "p");
   EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
   EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// With the default topology (prefill_retries 2, retry_backoff_ms 50): refused for busy transfer
+// connections at +0, +50 and +150 ms, the decode leg goes a fourth time, and a failure of its
+// engine after that still has its retry from the prefill. The third refusal was answered 503,
+// 150 ms after the prefill, and two refusals left a failure no retry.
+TEST(Dispatcher, BusyTransferRefusalsSpendNoneOfTheRetriesAFailureNeeds) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  for (const int wait : {50, 100, 200}) {
+    answer_kv_transfer_busy(*c.engines.open("/v1/completions").at(0), false);
+    c.clock.run_ready();
+    ASSERT_EQ(ms_until_a_decode_leg(c, 1000), wait) << client->status;
+  }
+  FakeEngines::finish(*c.engines.open("/v1/completions").at(0), "connection reset by peer");
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+  prefill_answers(c);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 4);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
