@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/fake_kv_transfers.h"
 #include "engine/sim_engine_fixture.h"
 #include "util/bounded_wait.h"
 #include "util/metrics.h"
@@ -32,44 +33,6 @@ namespace {
 constexpr double kStep = 1.0 / 32;  // virtual seconds per run_once
 
 using test::tokens;
-
-// KV transfers whose fetches succeed at the engine's next run_once (`instant`), or when the test
-// ends them (`pending`).
-class FakeTransfers final : public KvTransfers {
- public:
-  explicit FakeTransfers(Post post) : post_(std::move(post)) {}
-  const KvTransferConfig& config() const override { return config_; }
-  bool serving() const override { return false; }
-  uint16_t port() const override { return 0; }
-  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task) override { return "t"; }
-  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone) override { return 0; }
-  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
-  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
-  void room_progress(uint64_t, uint64_t, int64_t) override {}
-  void room_failed(uint64_t, uint64_t, const std::string&) override {}
-  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override {
-    fetched.push_back(f.request_id);
-    if (!instant) {
-      pending.push_back(std::move(done));
-      return;
-    }
-    post_([done = std::move(done)] { done({true, {}, 0}); });
-  }
-  void cancel_fetch(const std::string&) override {}
-  void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
-                      std::vector<int32_t>) override {}
-  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
-                    const std::string&) override {}
-  int64_t held_blocks() const override { return 0; }
-
-  bool instant = true;
-  std::vector<std::string> fetched;  // the request ids whose fetch started, in order
-  std::vector<std::function<void(const KvFetchResult&)>> pending;
-
- private:
-  Post post_;
-  KvTransferConfig config_;
-};
 
 class DecodeLegs : public ::testing::Test {
  protected:
@@ -88,7 +51,8 @@ class DecodeLegs : public ::testing::Test {
     if (clock == Clock::kVirtual) config.clock = [this] { return now_; };
     config.kv_event_sink = [this](KvEventBatch batch) { published_.push_back(std::move(batch)); };
     config.make_transfers = [this](Executor&, KvTransfers::Post post) {
-      auto t = std::make_unique<FakeTransfers>(std::move(post));
+      auto t = std::make_unique<test::FakeKvTransfers>(std::move(post));
+      t->instant = true;  // unless a test says otherwise
       fake_ = t.get();
       return t;
     };
@@ -135,7 +99,7 @@ class DecodeLegs : public ::testing::Test {
 
   metrics::Registry registry_;
   std::unique_ptr<Engine> engine_;
-  FakeTransfers* fake_ = nullptr;
+  test::FakeKvTransfers* fake_ = nullptr;
   double now_ = 1000;
   std::map<std::string, RequestOutput> finished_;
   std::vector<KvEventBatch> published_;
@@ -219,7 +183,7 @@ TEST_F(DecodeLegs, ALegWaitingForItsKvIsWaitingAndItsPromptIsNoQueuedPrefill) {
   load = engine_->load();
   EXPECT_EQ(load.waiting, 1) << "receiving its KV";
   EXPECT_EQ(load.prefill_tokens, 0);
-  fake_->pending[0]({true, {}, 0});
+  fake_->fetches[0]({true, {}, 0});
   for (int i = 0; i < 100 && engine_->has_work(); ++i) step();
   ASSERT_TRUE(finished_.count("leg"));
   EXPECT_EQ(finished_["leg"].completion_tokens, 4);

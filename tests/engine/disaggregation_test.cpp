@@ -24,6 +24,7 @@
 #include "engine/engine.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
+#include "engine/fake_kv_transfers.h"
 #include "engine/sim_engine_fixture.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
@@ -1019,67 +1020,15 @@ TEST_F(Disaggregation, AParkedRoomPrefillLegWhoseClientLeavesLetsItsKvGoAtOnce) 
   EXPECT_EQ(p.process->stop(), 0);
 }
 
-// KV transfers that record every call, and keep holds' releases and rooms' outcomes for the test
-// to end.
-class FakeTransfers final : public KvTransfers {
- public:
-  using Log = std::vector<std::string>;
-  FakeTransfers(Post post, std::shared_ptr<Log> log)
-      : post(std::move(post)), log_(std::move(log)) {}
-  ~FakeTransfers() override { log_->push_back("ended"); }
-  const KvTransferConfig& config() const override { return config_; }
-  bool serving() const override { return true; }
-  uint16_t port() const override { return 1; }
-  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task release) override {
-    log_->push_back("hold");
-    releases.push_back(std::move(release));
-    return std::to_string(releases.size());  // a transfer id
-  }
-  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone done) override {
-    log_->push_back("open_room");
-    rooms.push_back(std::move(done));
-    return rooms.size();
-  }
-  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
-  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
-  void room_progress(uint64_t, uint64_t, int64_t) override {}
-  void room_failed(uint64_t, uint64_t, const std::string&) override {
-    log_->push_back("room_failed");
-  }
-  void fetch(KvFetch, std::function<void(const KvFetchResult&)> done) override {
-    log_->push_back("fetch");
-    fetches.push_back(std::move(done));
-  }
-  void cancel_fetch(const std::string&) override { log_->push_back("cancel_fetch"); }
-  void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
-                      std::vector<int32_t>) override {
-    log_->push_back("release_remote");
-  }
-  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
-                    const std::string&) override {
-    log_->push_back("abandon_room");
-  }
-  int64_t held_blocks() const override { return 0; }
-
-  Post post;                    // runs a task on the engine thread (at its next run_once)
-  std::vector<Task> releases;   // of each hold, in order
-  std::vector<RoomDone> rooms;  // of each room opened, in order
-  std::vector<std::function<void(const KvFetchResult&)>> fetches;  // their ends, in order
-
- private:
-  KvTransferConfig config_;
-  std::shared_ptr<Log> log_;  // every call, and "ended" when the engine destroyed it
-};
-
-// An engine in process (simulated executor) whose KV transfers are a FakeTransfers.
+// An engine in process (simulated executor) whose KV transfers are a test::FakeKvTransfers.
 std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
     EngineRole role, const text::Tokenizer& tok, metrics::Registry& registry,
-    std::shared_ptr<FakeTransfers::Log> log, FakeTransfers** fake) {
+    std::shared_ptr<test::FakeKvTransfers::Log> log, test::FakeKvTransfers** fake) {
   EngineConfig config;
   config.role = role;
   config.transfer = KvTransferConfig{};
   config.make_transfers = [log, fake](Executor&, KvTransfers::Post post) {
-    auto t = std::make_unique<FakeTransfers>(std::move(post), log);
+    auto t = std::make_unique<test::FakeKvTransfers>(std::move(post), log, /*serving=*/true);
     *fake = t.get();
     return t;
   };
@@ -1110,9 +1059,9 @@ EngineRequest decode_leg(const std::string& id, int base, KvTransferSpec::Mode m
 // blocks (a use after free at every shutdown with a fetch in flight; the simulator crashed at
 // the end of every P/D run that left one).
 TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTransfers) {
-  auto log = std::make_shared<FakeTransfers::Log>();
+  auto log = std::make_shared<test::FakeKvTransfers::Log>();
   metrics::Registry registry;
-  FakeTransfers* fake = nullptr;
+  test::FakeKvTransfers* fake = nullptr;
   auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
   std::vector<RequestOutput> outs(2);
   for (int i = 0; i < 2; ++i) {
@@ -1141,9 +1090,9 @@ TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTr
 // the engine's KV usage then (the engine is stopped after).
 double cancel_while_fetching(const text::Tokenizer& tok, KvTransferSpec::Mode mode,
                              const std::string& told) {
-  auto log = std::make_shared<FakeTransfers::Log>();
+  auto log = std::make_shared<test::FakeKvTransfers::Log>();
   metrics::Registry registry;
-  FakeTransfers* fake = nullptr;
+  test::FakeKvTransfers* fake = nullptr;
   auto engine = engine_with_fake_transfers(EngineRole::kDecode, tok, registry, log, &fake);
   engine->submit(decode_leg("leg", 100, mode));
   for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
@@ -1211,8 +1160,8 @@ class ParkedIds : public Disaggregation {
 
   metrics::Registry registry_;
   RequestOutput accepted_;  // of the request refusal() submitted when it was accepted
-  std::shared_ptr<FakeTransfers::Log> log_ = std::make_shared<FakeTransfers::Log>();
-  FakeTransfers* fake_ = nullptr;
+  std::shared_ptr<test::FakeKvTransfers::Log> log_ = std::make_shared<test::FakeKvTransfers::Log>();
+  test::FakeKvTransfers* fake_ = nullptr;
   std::unique_ptr<tandem::engine::Engine> engine_;  // after registry_, log_ and fake_: built
                                                     // from them
 };
@@ -1226,9 +1175,9 @@ TEST_F(ParkedIds, AnIdIsTakenUntilItsParkedBlocksAreFreed) {
   run();
   ASSERT_TRUE(pulled.finished) << "the prefill leg did not finish";
   EXPECT_EQ(pulled.kv_blocks.size(), 3u);  // 40 tokens, 16 a block
-  ASSERT_EQ(fake_->releases.size(), 1u);
+  ASSERT_EQ(fake_->hold_releases.size(), 1u);
   EXPECT_NE(refusal("r").find("request id 'r' is already in use"), std::string::npos);
-  fake_->post(std::move(fake_->releases[0]));  // pulled
+  fake_->post(std::move(fake_->hold_releases[0]));  // pulled
   run();
   EXPECT_EQ(engine_->load().kv_usage, 0);
   RequestOutput again;

@@ -16,6 +16,7 @@
 
 #include "api/error.h"
 #include "engine/engine.h"
+#include "engine/fake_kv_transfers.h"
 #include "engine/sim_engine_fixture.h"
 #include "engine/transfer/kv_transfer.h"
 #include "util/metrics.h"
@@ -23,71 +24,24 @@
 namespace tandem::engine {
 namespace {
 
-// KV transfers whose fetches end when the test ends them, and which record the releases asked of
-// prefill engines.
-class FakeTransfers final : public KvTransfers {
- public:
-  const KvTransferConfig& config() const override { return config_; }
-  bool serving() const override { return false; }
-  uint16_t port() const override { return 0; }
-  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task) override { return "t"; }
-  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone) override { return 0; }
-  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
-  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
-  void room_progress(uint64_t, uint64_t, int64_t) override {}
-  void room_failed(uint64_t, uint64_t, const std::string&) override {}
-  void fetch(KvFetch, std::function<void(const KvFetchResult&)> done) override {
-    fetches.push_back(std::move(done));
-  }
-  void cancel_fetch(const std::string&) override {}
-  void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
-                      const std::string& transfer_id, std::vector<int32_t> blocks) override {
-    releases.push_back({host, port, engine_id, transfer_id, std::move(blocks)});
-  }
-  void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t,
-                    int64_t prompt_tokens, const std::string&) override {
-    abandons.push_back({host, port, room, prompt_tokens});
-  }
-  int64_t held_blocks() const override { return 0; }
-
-  struct Release {
-    std::string host;
-    uint16_t port = 0;
-    std::string engine_id, transfer_id;
-    std::vector<int32_t> blocks;
-  };
-  std::vector<std::function<void(const KvFetchResult&)>> fetches;  // their ends, in order
-  std::vector<Release> releases;
-  struct Abandon {
-    std::string host;
-    uint16_t port = 0;
-    uint64_t room = 0;
-    int64_t prompt_tokens = 0;
-  };
-  std::vector<Abandon> abandons;
-
- private:
-  KvTransferConfig config_;
-};
-
 // A decode engine in process whose one pull the test ends with `result`: the leg's final output
 // and the releases the engine asked for.
 struct PullEnded {
   api::RequestOutput output;
-  std::vector<FakeTransfers::Release> releases;
-  std::vector<FakeTransfers::Abandon> abandons;
+  std::vector<test::FakeKvTransfers::RemoteRelease> releases;
+  std::vector<test::FakeKvTransfers::Abandon> abandons;
 };
 
 // `mode`: a pull of a held transfer, or a registration in a bootstrap room (parallel mode).
 PullEnded end_a_pull_with(const KvFetchResult& result,
                           KvTransferSpec::Mode mode = KvTransferSpec::Mode::kDecodeByPull) {
   metrics::Registry registry;
-  FakeTransfers* fake = nullptr;
+  test::FakeKvTransfers* fake = nullptr;
   EngineConfig config;
   config.role = EngineRole::kDecode;
   config.transfer = KvTransferConfig{};
   config.make_transfers = [&fake](Executor&, KvTransfers::Post) {
-    auto t = std::make_unique<FakeTransfers>();
+    auto t = std::make_unique<test::FakeKvTransfers>();
     fake = t.get();
     return t;
   };
@@ -118,7 +72,7 @@ PullEnded end_a_pull_with(const KvFetchResult& result,
   fake->fetches[0](result);
   for (int i = 0; i < 10 && !ended.output.finished; ++i) engine->run_once();
   EXPECT_TRUE(ended.output.finished);
-  ended.releases = fake->releases;
+  ended.releases = fake->remote_releases;
   ended.abandons = fake->abandons;
   engine->stop();
   return ended;
@@ -180,7 +134,7 @@ TEST(KvPullRefusal, AFailureThatNamesNoEngineReleasesTheHold) {
     EXPECT_EQ(ended.output.error_status, 502) << error;
     EXPECT_EQ(ended.output.error_code, "") << error;
     ASSERT_EQ(ended.releases.size(), 1u) << error;
-    const FakeTransfers::Release& r = ended.releases[0];
+    const test::FakeKvTransfers::RemoteRelease& r = ended.releases[0];
     EXPECT_EQ(r.host, "10.0.0.7");
     EXPECT_EQ(r.port, 7100);
     EXPECT_EQ(r.engine_id, "prefill-0");
