@@ -134,8 +134,8 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
     if (full) {
-      answer_error(r, 429,
-                   "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+      answer_overload(r, 429,
+                      "the gateway queue is full (" + std::to_string(topo_.max_queue) +
                        " requests waiting); retry later");
       continue;
     }
@@ -164,7 +164,7 @@ bool Dispatcher::shed_lower_class(int arriving_class) {
   if (!shed) return false;
   // As a queue timeout: it leaves the queue now, and finished() lets go of what it holds.
   remove_waiting(shed);
-  answer_error(shed, 429,
+  answer_overload(shed, 429,
                "the gateway queue is full (" + std::to_string(topo_.max_queue) +
                    " requests waiting) and this request was shed for higher-priority traffic; "
                    "retry later");
@@ -212,7 +212,7 @@ void Dispatcher::arm_queue_timeout(const RequestPtr& r) {
         // Cancelled whenever it leaves the queue: a timer that fires belongs to this wait.
         if (!r || r->booking != Booking::kQueued) return;
         remove_waiting(r);
-        answer_error(
+        answer_overload(
             r, 503,
             kv_expires_first
                 ? "no decode engine was free within " +
@@ -881,6 +881,23 @@ void Dispatcher::answer_error(const RequestPtr& r, int status, const std::string
     r->client = ClientState::kAnswering;
     // OpenAI answers rate limits with code rate_limit_exceeded.
     r->reply->send_error(status, message, {}, status == 429 ? "rate_limit_exceeded" : "");
+  }
+  end_request(r, {status, message});
+}
+
+void Dispatcher::answer_overload(const RequestPtr& r, int status, const std::string& message) {
+  // OpenAI's own types: its rate limits' 429 is of type "requests" (or "tokens") with code
+  // rate_limit_exceeded, its 5xx "server_error". Retry-After, in seconds, is what OpenAI's SDKs
+  // wait before their retry; a second is a short wait the queue's state does not refine cheaply.
+  net::HttpResponse response =
+      api::openai_error_response(status, message, status == 429 ? "requests" : "server_error",
+                                 status == 429 ? "rate_limit_exceeded" : "");
+  response.headers.set("Retry-After", std::to_string(kOverloadRetryAfterSeconds));
+  {
+    std::lock_guard lock(r->mutex);
+    if (r->client == ClientState::kEnded) return;
+    r->client = ClientState::kAnswering;
+    r->reply->respond_with_headers(std::move(response));
   }
   end_request(r, {status, message});
 }

@@ -191,6 +191,10 @@ class Dispatcher {
   // health probe since).
   void prefill_engine_failed(int endpoint_id, Clock::time_point since);
   void answer_error(const RequestPtr& r, int status, const std::string& message);
+  // The gateway's own overload answer (a full queue's 429, a queue timeout's 503): as
+  // answer_error, of a type that is no client error, with Retry-After.
+  void answer_overload(const RequestPtr& r, int status, const std::string& message);
+  static constexpr int kOverloadRetryAfterSeconds = 1;
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);
   void cancel_calls(const std::vector<Upstream::CallId>& calls);

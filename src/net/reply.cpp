@@ -13,6 +13,10 @@ bool ExchangeReply::send_error(int status, std::string_view message, std::string
   return exchange_->send_error(status, message, type, code);
 }
 
+bool ExchangeReply::respond_with_headers(HttpResponse response) {
+  return exchange_->respond(std::move(response));
+}
+
 bool ExchangeReply::start_stream(int status, std::string content_type) {
   return exchange_->start_stream(status, std::move(content_type));
 }

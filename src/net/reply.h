@@ -7,6 +7,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+
+#include "net/http.h"
 
 namespace tandem::net {
 
@@ -21,6 +24,12 @@ class Reply {
   // An OpenAI error body (api/error.h) with this status, message, type and code.
   virtual bool send_error(int status, std::string_view message, std::string_view type = {},
                           std::string_view code = {}) = 0;
+  // respond() with extra header fields (the gateway's Retry-After on an overload answer). A reply
+  // that keeps no header fields (a test's, the simulator's, one choice of several) answers as
+  // respond() does, without them.
+  virtual bool respond_with_headers(HttpResponse response) {
+    return respond(response.status, std::move(response.body), std::move(response.content_type));
+  }
   virtual bool start_stream(int status, std::string content_type) = 0;
   virtual bool write(std::string_view chunk) = 0;
   virtual bool end() = 0;    // the stream is complete
@@ -37,6 +46,7 @@ class ExchangeReply final : public Reply {
   bool respond(int status, std::string body, std::string content_type) override;
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override;
+  bool respond_with_headers(HttpResponse response) override;
   bool start_stream(int status, std::string content_type) override;
   bool write(std::string_view chunk) override;
   bool end() override;

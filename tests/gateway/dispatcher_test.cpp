@@ -162,6 +162,18 @@ class FakeClient final : public ClientReply {
     finish();
     return true;
   }
+  bool respond_with_headers(net::HttpResponse r) override {
+    if (complete_) return false;
+    status = r.status;
+    body = r.body;
+    retry_after = r.headers.get("Retry-After");
+    const json error = json::parse(r.body)["error"];
+    error_message = error["message"];
+    error_type = error["type"];
+    error_code = error["code"].is_string() ? error["code"].get<std::string>() : "";
+    finish();
+    return true;
+  }
   bool start_stream(int s, std::string) override {
     status = s;
     streaming = true;
@@ -189,6 +201,7 @@ class FakeClient final : public ClientReply {
 
   int status = 0;
   std::string body, streamed, error_message, error_type, error_code;
+  std::string retry_after;  // the Retry-After header of an answer that has one
   bool streaming = false, aborted = false;
   bool complete() const { return complete_; }
 
@@ -973,6 +986,27 @@ TEST(Dispatcher, AFullQueueAnswers429) {
   auto refused = c.send();
   EXPECT_EQ(refused->status, 429);
   EXPECT_EQ(refused->error_code, "rate_limit_exceeded");
+}
+
+// The gateway's own overload answers are no client error, and say when to come back (OpenAI's
+// SDKs honour Retry-After): a full queue's 429 is of type "requests" (OpenAI's rate limits), a
+// queue timeout's 503 of type "server_error".
+TEST(Dispatcher, OverloadAnswersCarryRetryAfterAndANonClientType) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.max_queue = 1;
+  t.timeouts.queue = milliseconds(2000);
+  Cluster c(t);
+  c.send();
+  auto timed_out = c.send();
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(refused->error_code, "rate_limit_exceeded");
+  EXPECT_EQ(refused->error_type, "requests");
+  EXPECT_EQ(refused->retry_after, "1");
+  c.clock.advance_by(milliseconds(2000));
+  EXPECT_EQ(timed_out->status, 503);
+  EXPECT_EQ(timed_out->error_type, "server_error");
+  EXPECT_EQ(timed_out->retry_after, "1");
 }
 
 TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
