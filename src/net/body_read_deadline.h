@@ -2,7 +2,7 @@
 // When a request body being read has taken too long: the server's policy, pure, on a clock the
 // caller passes in (the connection's loop clock; a test's numbers).
 //
-// Two bounds, the earlier wins:
+// Three bounds, the earliest wins:
 // - between reads: the body must make progress within `timeout` of its last progress (or of the
 //   head, before any), as nginx's client_body_timeout. A client that sends slowly but steadily
 //   gets its whole body in; one that stops is found within `timeout`.
@@ -14,6 +14,9 @@
 //   only data counts toward max_body_bytes: chunk framing is the client's to inflate (a
 //   chunk-size line may carry 4 KiB of extensions for one byte of data), so it moves the bound
 //   between reads but earns no time.
+// - in total: `most` after the body began (mod_reqtimeout's body=...-maxtimeout), so that what a
+//   connection holds while its body arrives (the body's buffer) is held for a bounded time,
+//   however much of the body was sent to earn time at the least rate.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -23,12 +26,15 @@ namespace tandem::net::detail {
 
 class BodyReadDeadline {
  public:
-  // The body begins at `now_ms` (its head was read). `min_bytes_per_second` 0: no least rate.
-  BodyReadDeadline(int64_t now_ms, std::chrono::milliseconds timeout, uint64_t min_bytes_per_second)
+  // The body begins at `now_ms` (its head was read). `min_bytes_per_second` 0: no least rate;
+  // `most` 0: no total bound.
+  BodyReadDeadline(int64_t now_ms, std::chrono::milliseconds timeout, uint64_t min_bytes_per_second,
+                   std::chrono::milliseconds most)
       : started_ms_(now_ms),
         last_progress_ms_(now_ms),
         timeout_ms_(timeout.count()),
-        min_bytes_per_second_(min_bytes_per_second) {}
+        min_bytes_per_second_(min_bytes_per_second),
+        most_ms_(most.count()) {}
 
   // A read at `now_ms` took `wire_bytes` of the body as sent (its data and, when chunked, its
   // framing: chunk-size lines with their extensions, line ends, the trailer), `data_bytes` of them
@@ -50,6 +56,7 @@ class BodyReadDeadline {
                                          static_cast<int64_t>(std::min<uint64_t>(
                                              earned_ms, std::numeric_limits<int64_t>::max()))));
     }
+    if (most_ms_ > 0) due = std::min(due, saturating_add(started_ms_, most_ms_));
     return due;
   }
 
@@ -63,6 +70,7 @@ class BodyReadDeadline {
   int64_t last_progress_ms_;
   int64_t timeout_ms_;
   uint64_t min_bytes_per_second_;
+  int64_t most_ms_;
   uint64_t data_received_ = 0;
 };
 

@@ -749,7 +749,8 @@ void Connection::begin_request() {
   }
   body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
   phase_ = Phase::kBody;
-  body_deadline_.emplace(loop_.now_ms(), options.read_timeout, options.min_body_bytes_per_second);
+  body_deadline_.emplace(loop_.now_ms(), options.read_timeout, options.min_body_bytes_per_second,
+                         options.max_body_time);
   read_deadline_ = body_deadline_->due_ms();
   arm_deadlines();
   if (head_.expect_continue && !body_parser_.done() && in_.empty()) {
@@ -947,8 +948,12 @@ void Connection::on_timer() {
     std::string message = "the request body did not arrive in time: each part must come within " +
                           std::to_string(options.read_timeout.count()) + " ms of the last";
     if (options.min_body_bytes_per_second > 0) {
-      message += ", and the whole at " + std::to_string(options.min_body_bytes_per_second) +
+      message += ", the whole at " + std::to_string(options.min_body_bytes_per_second) +
                  " bytes per second or more on average";
+    }
+    if (options.max_body_time.count() > 0) {
+      message += ", and within " + std::to_string(options.max_body_time.count()) +
+                 " ms of the request's head";
     }
     return fail_request(ParseError{408, std::move(message)});
   }

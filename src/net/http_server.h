@@ -114,8 +114,8 @@ struct HttpServerOptions {
   // A request's body, once its head arrived, must make progress within this time of its head and
   // then of each read that brought body bytes (between two successive reads, as nginx's
   // client_body_timeout), also while a 100 Continue waits to be written. A client that uploads
-  // slowly but steadily (at min_body_bytes_per_second or more) gets its whole body in, however
-  // long it takes; one whose body stops is answered 408 (error_response) and closed. The head is
+  // slowly but steadily (at min_body_bytes_per_second or more) gets its whole body in, up to
+  // max_body_time; one whose body stops is answered 408 (error_response) and closed. The head is
   // bound by header_timeout and by this time from its first byte, whichever is shorter, and closed
   // without an answer.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
@@ -123,10 +123,16 @@ struct HttpServerOptions {
   // one second per this many bytes of body data received (as Apache's mod_reqtimeout MinRate;
   // chunk framing earns nothing, as it counts nothing toward max_body_bytes), else 408. So a
   // client that sends a byte within every read_timeout cannot hold a connection, and the body
-  // buffer it reserved, for ever. 4 KiB/s is below any working link (GPRS is about 5 KB/s), and
-  // to keep a connection for the longest an 8 MiB body allows (34 minutes) a client must send all
-  // of it. 0: no least rate (only read_timeout between reads).
+  // buffer it holds, for ever. 4 KiB/s is below any working link (GPRS is about 5 KB/s). 0: no
+  // least rate (only read_timeout between reads, and max_body_time).
   size_t min_body_bytes_per_second = 4096;
+  // A body must be complete within this time of its head, however fast it comes (as Apache's
+  // mod_reqtimeout body=...-maxtimeout), else 408. The least rate alone lets a client that sent
+  // all but the last bytes of an 8 MiB body hold it, and its connection, for 34 minutes, dripping
+  // the rest; with this bound a connection holds a body for 5 minutes at the most. 5 minutes is
+  // what an 8 MiB body (max_body_bytes) takes at 28 KB/s, a slow mobile upload; a server that
+  // takes larger bodies from slow clients raises it. 0: no total bound.
+  std::chrono::milliseconds max_body_time = std::chrono::minutes(5);
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
   // While output waits for the client, each send must make progress within this time of the

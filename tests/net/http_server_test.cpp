@@ -1575,9 +1575,43 @@ TEST(HttpServer, AChunkedBodyWhoseFramingOutweighsItsDataIsAnswered408) {
   EXPECT_EQ(calls.load(), 0);
 }
 
+// A body that keeps well above the least rate is answered 408 all the same once max_body_time has
+// passed since its head: what a connection holds while its body arrives is held for a bounded time.
+TEST(HttpServer, ABodyStillArrivingAtMaxBodyTimeIsAnswered408) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 200ms;
+  options.min_body_bytes_per_second = 1;  // a byte earns a second: the least rate never binds
+  options.max_body_time = 300ms;
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n");
+  // 100 bytes per 50 ms, until the server answers: 100 pieces would take 5 s.
+  const std::string piece(100, 'b');
+  const int pieces = 100;
+  int sent = 0;
+  std::string raw;
+  char buf[4096];
+  while (sent < pieces && raw.find("\r\n\r\n") == std::string::npos) {
+    std::this_thread::sleep_for(50ms);
+    if (::send(c.fd(), piece.data(), piece.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(piece.size())) {
+      break;  // the server answered and closed
+    }
+    ++sent;
+    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
+  }
+  EXPECT_LT(sent, pieces) << "still open after " << pieces << " pieces";
+  raw += c.read_all();
+  EXPECT_EQ(status_of(raw), 408) << raw;
+  expect_openai_error(body_of(raw), "invalid_request_error");
+  EXPECT_EQ(calls.load(), 0);
+}
+
 // The policy itself, on a clock of numbers (milliseconds).
 TEST(BodyReadDeadline, ABodyWithNoBytesIsDueOneTimeoutAfterItsHead) {
-  detail::BodyReadDeadline d(1000, 30s, 4096);
+  detail::BodyReadDeadline d(1000, 30s, 4096, 0ms);
   EXPECT_EQ(d.due_ms(), 31000);
   d.received(20000, 0, 0);  // a read that made no progress extends nothing
   EXPECT_EQ(d.due_ms(), 31000);
@@ -1585,7 +1619,7 @@ TEST(BodyReadDeadline, ABodyWithNoBytesIsDueOneTimeoutAfterItsHead) {
 
 TEST(BodyReadDeadline, ASteadySlowUploadNeverFallsDueThoughItTakesLongerThanTheTimeout) {
   // The user trial's client: 1 MB at 25 KB/s, 40 s, past the 30 s that once bounded the whole.
-  detail::BodyReadDeadline d(0, 30s, 4096);
+  detail::BodyReadDeadline d(0, 30s, 4096, 0ms);
   int64_t now = 0;
   for (int second = 1; second <= 40; ++second) {
     now = second * 1000;
@@ -1599,7 +1633,7 @@ TEST(BodyReadDeadline, ASteadySlowUploadNeverFallsDueThoughItTakesLongerThanTheT
 
 TEST(BodyReadDeadline, ADripWithinEveryTimeoutIsDueByTheLeastAverageRate) {
   // A byte every 29 s never misses the timeout between reads, but earns only 1/4096 s each.
-  detail::BodyReadDeadline d(0, 30s, 4096);
+  detail::BodyReadDeadline d(0, 30s, 4096, 0ms);
   d.received(29000, 1, 1);
   EXPECT_EQ(d.due_ms(), 30000);
   // 4096 bytes earn one second more.
@@ -1610,17 +1644,33 @@ TEST(BodyReadDeadline, ADripWithinEveryTimeoutIsDueByTheLeastAverageRate) {
 TEST(BodyReadDeadline, ChunkFramingMovesTheTimeBetweenReadsButEarnsNothingAtTheLeastRate) {
   // The review's client: a 1-byte chunk with ~4000 bytes of extensions once a second. Counted by
   // wire bytes it earned about a second per chunk (8 MiB of body in ~97 days).
-  detail::BodyReadDeadline d(0, 30s, 4096);
+  detail::BodyReadDeadline d(0, 30s, 4096, 0ms);
   for (int second = 1; second <= 29; ++second) d.received(second * 1000, 4010, 1);
   EXPECT_EQ(d.due_ms(), 30000 + 29 * 1000 / 4096);  // 30 s and 29 bytes' worth, 7 ms
   // A read of framing alone (a chunk-size line, a trailer) is progress between reads.
-  detail::BodyReadDeadline between(0, 30s, 0);
+  detail::BodyReadDeadline between(0, 30s, 0, 0ms);
   between.received(20000, 6, 0);
   EXPECT_EQ(between.due_ms(), 50000);
 }
 
+TEST(BodyReadDeadline, AWholeBodyIsDueByTheTotalBoundHoweverFastItCame) {
+  // The review's client: all but the last 70 bytes of an 8 MiB body at once, then a byte per
+  // 29 s. The least rate alone gave it 30 s + 2048 s (34 minutes).
+  detail::BodyReadDeadline d(0, 30s, 4096, 5min);
+  d.received(1000, (8 << 20) - 70, (8 << 20) - 70);
+  for (int64_t now = 30000; now < 300000; now += 29000) {
+    ASSERT_LT(now, d.due_ms());
+    d.received(now, 1, 1);
+  }
+  EXPECT_EQ(d.due_ms(), 300000);
+  // The bound is the earliest of the three: one that stops is still due one timeout after.
+  detail::BodyReadDeadline stopped(0, 30s, 4096, 5min);
+  stopped.received(1000, 1 << 20, 1 << 20);
+  EXPECT_EQ(stopped.due_ms(), 31000);
+}
+
 TEST(BodyReadDeadline, WithoutALeastRateOnlyTheTimeBetweenReadsCounts) {
-  detail::BodyReadDeadline d(0, 30s, 0);
+  detail::BodyReadDeadline d(0, 30s, 0, 0ms);
   d.received(29000, 1, 1);
   EXPECT_EQ(d.due_ms(), 59000);
 }
