@@ -105,7 +105,8 @@ TEST(ExpertDispatch, EveryCopyOfAnExpertGetsAnEvenShareOfItsTokensWhoeverSentThe
     }
     std::vector<std::vector<int64_t>> per_slot;
     for (const auto& sent : ways) {
-      const auto slots = ep::slots_for_entries(sent, copies);
+      std::vector<int64_t> dispatched(copies.size(), 0);
+      const auto slots = ep::slots_for_entries(sent, copies, dispatched);
       ASSERT_EQ(slots.size(), sent.size());
       auto& count = per_slot.emplace_back(slot_rank.size(), 0);
       for (size_t q = 0; q < sent.size(); ++q) {
@@ -126,6 +127,31 @@ TEST(ExpertDispatch, EveryCopyOfAnExpertGetsAnEvenShareOfItsTokensWhoeverSentThe
     }
     EXPECT_EQ(per_slot[0], per_slot[1]) << "trial " << trial;
     EXPECT_EQ(per_slot[0], per_slot[2]) << "trial " << trial;
+  }
+}
+
+// Over steps too: single-sequence decode sends one token of an expert per step, and a step's
+// remainder tokens must not always fall on the same copies, or one copy runs the expert's whole
+// load while the planner counted a third of it on each of three.
+TEST(ExpertDispatch, EveryCopyOfAnExpertGetsAnEvenShareOfItsTokensOverSteps) {
+  const std::vector<std::vector<int32_t>> copies = {{0, 2, 4}, {1}, {3, 5}};
+  for (int tokens_per_step = 1; tokens_per_step <= 5; ++tokens_per_step) {
+    std::vector<int64_t> dispatched(copies.size(), 0), count(6, 0);
+    for (int step = 0; step < 100; ++step) {
+      // Rank 1 sends this step's tokens of expert 0 and one of expert 2; ranks 0 and 2 nothing.
+      std::vector<std::vector<int32_t>> sent(3);
+      sent[1].assign(size_t(tokens_per_step), 0);
+      sent[1].push_back(2);
+      const auto slots = ep::slots_for_entries(sent, copies, dispatched);
+      for (const auto& rank : slots)
+        for (int32_t s : rank) ++count[size_t(s)];
+    }
+    const auto [least, most] = std::minmax({count[0], count[2], count[4]});
+    EXPECT_LE(most - least, 1) << tokens_per_step << " tokens a step over 3 copies: " << count[0]
+                               << " " << count[2] << " " << count[4];
+    EXPECT_LE(std::abs(count[3] - count[5]), 1)
+        << "one token a step over 2 copies: " << count[3] << " " << count[5];
+    EXPECT_EQ(count[0] + count[2] + count[4], 100 * tokens_per_step);
   }
 }
 

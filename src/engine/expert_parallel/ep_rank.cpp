@@ -24,26 +24,44 @@ model::LatentCacheShape cache_shape_of(const model::DeepSeekModel& m, const EpSh
 
 std::vector<std::vector<int32_t>> slots_for_entries(
     std::span<const std::vector<int32_t>> experts_sent,
-    const std::vector<std::vector<int32_t>>& copies) {
+    const std::vector<std::vector<int32_t>>& copies, std::vector<int64_t>& dispatched) {
   std::vector<int64_t> total(copies.size(), 0);
   for (const auto& sent : experts_sent)
     for (int32_t e : sent) ++total[size_t(e)];
-  std::vector<int64_t> taken(copies.size(), 0);
+  // Per expert, the run its next token falls in: c contiguous runs, the first t mod c of them one
+  // token longer, on consecutive copies.
+  struct Run {
+    int64_t copy = 0;  // index in copies[e]
+    int64_t left = 0;  // tokens the run still takes
+    int64_t next = 0;  // the next run's index
+    int64_t base = 0, longer = 0;
+  };
+  std::vector<Run> runs(copies.size());
+  for (size_t e = 0; e < copies.size(); ++e) {
+    const int64_t t = total[e];
+    if (t == 0) continue;
+    const auto c = int64_t(copies[e].size());
+    // The first run starts on the copy after the previous step's last run ends: over steps each
+    // copy gets an equal share however few tokens a step brings (single-sequence decode brings
+    // one). Adding e starts lone tokens of different experts on different ranks.
+    runs[e] = {(dispatched[e] + int64_t(e)) % c, t / c + (t % c > 0 ? 1 : 0), 1, t / c, t % c};
+    dispatched[e] += t;
+  }
   std::vector<std::vector<int32_t>> out(experts_sent.size());
-  for (size_t q = 0; q < experts_sent.size(); ++q)
+  for (size_t q = 0; q < experts_sent.size(); ++q) {
+    out[q].reserve(experts_sent[q].size());
     for (int32_t e : experts_sent[q]) {
       const auto& slots = copies[size_t(e)];
-      const auto c = int64_t(slots.size());
-      const int64_t base = total[size_t(e)] / c, extra = total[size_t(e)] % c;
-      // The expert's i-th token falls in run k of c contiguous runs, the first `extra` of them
-      // one token longer.
-      const int64_t i = taken[size_t(e)]++;
-      const int64_t k =
-          i < extra * (base + 1) ? i / (base + 1) : extra + (i - extra * (base + 1)) / base;
-      // Runs start at copy e mod c: a lone token (one decode) of each expert lands on a
-      // different copy for different experts, not always on the lowest rank's.
-      out[q].push_back(slots[size_t((k + e) % c)]);
+      Run& run = runs[size_t(e)];
+      out[q].push_back(slots[size_t(run.copy)]);
+      if (--run.left ==
+          0) {  // the next run, on the next copy (empty ones come after the last token)
+        run.left = run.base + (run.next < run.longer ? 1 : 0);
+        ++run.next;
+        if (++run.copy == int64_t(slots.size())) run.copy = 0;
+      }
     }
+  }
   return out;
 }
 
@@ -116,6 +134,7 @@ void EpRank::switch_placement(uint32_t which) {
     next.slot_rank.assign(table.slot_rank + li * s.max_slots,
                           table.slot_rank + li * s.max_slots + slots);
     next.copies.resize(size_t(s.experts));
+    next.dispatched.assign(size_t(s.experts), 0);
     next.local.assign(size_t(slots), -1);
     LayerSlots& old = layers_[li];
     auto& ready = prepared_[li];
@@ -173,7 +192,7 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
   const int64_t h = s.hidden;
   const int64_t li = moe_index_.at(size_t(layer));
   if (li < 0) throw Error("expert exchange: layer " + std::to_string(layer) + " is not MoE");
-  const LayerSlots& L = layers_[size_t(li)];
+  LayerSlots& L = layers_[size_t(li)];
   const RankArea me = segment_.rank(rank_);
 
   // Dispatch.
@@ -217,10 +236,17 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     areas.push_back(segment_.rank(q));
     const int64_t count = areas.back().entry_count->load(std::memory_order_acquire);
     const Entry* entries = areas.back().entries;
+    experts_sent[size_t(q)].reserve(size_t(count));
     for (int64_t e = 0; e < count; ++e) experts_sent[size_t(q)].push_back(entries[e].expert);
   }
-  const std::vector<std::vector<int32_t>> slot_of = slots_for_entries(experts_sent, L.copies);
+  const std::vector<std::vector<int32_t>> slot_of =
+      slots_for_entries(experts_sent, L.copies, L.dispatched);
+  std::vector<int64_t> rows_of(L.held.size(), 0);
+  for (const auto& slots : slot_of)
+    for (int32_t slot : slots)
+      if (const int32_t local = L.local[size_t(slot)]; local >= 0) ++rows_of[size_t(local)];
   std::vector<std::vector<Ref>> work(L.held.size());
+  for (size_t i = 0; i < work.size(); ++i) work[i].reserve(size_t(rows_of[i]));
   for (int q = 0; q < s.ranks; ++q)
     for (size_t e = 0; e < slot_of[size_t(q)].size(); ++e) {
       const int32_t local = L.local[size_t(slot_of[size_t(q)][e])];

@@ -40,12 +40,17 @@ namespace tandem::engine::ep {
 // `experts_sent[q]` holds rank q's entries' logical experts in entry order; `copies` maps a
 // logical expert to its slots (two slots on one rank count twice). An expert's t entries, in rank
 // order then entry order, are cut into as many contiguous runs as it has copies, of floor(t/c) or
-// ceil(t/c) entries: every copy gets an equal share of the expert's tokens whichever ranks sent
-// them, as the planner (placement::evaluate) and the simulated executor assume. A rank's own copy
-// is not preferred: in the shared segment a row costs the same copy whichever rank reads it.
+// ceil(t/c) entries, on consecutive copies: every copy gets an equal share of the expert's tokens
+// whichever ranks sent them, as the planner (placement::evaluate) and the simulated executor
+// assume. `dispatched` (per logical expert, the layer's tokens dispatched since the placement was
+// installed; advanced here) picks the copy the first run starts on, so that over steps the shares
+// stay within one token even when a step brings an expert a single token (one decode). Every rank
+// calls this for every step with the same entries, so every rank's `dispatched` and answer are
+// the same. A rank's own copy is not preferred: in the shared segment a row costs the same copy
+// whichever rank reads it.
 std::vector<std::vector<int32_t>> slots_for_entries(
     std::span<const std::vector<int32_t>> experts_sent,
-    const std::vector<std::vector<int32_t>>& copies);
+    const std::vector<std::vector<int32_t>>& copies, std::vector<int64_t>& dispatched);
 
 class EpRank final : public model::ExpertExchange {
  public:
@@ -79,6 +84,8 @@ class EpRank final : public model::ExpertExchange {
   struct LayerSlots {
     std::vector<int32_t> slot_rank;            // every slot of the layer -> its rank
     std::vector<std::vector<int32_t>> copies;  // logical expert -> its slots
+    // Logical expert -> its tokens dispatched (by all ranks) since this placement was installed.
+    std::vector<int64_t> dispatched;
     // slot -> index in `weights`, -1 elsewhere; every copy of an expert on this rank has one.
     std::vector<int32_t> local;
     std::vector<int32_t> held;               // the first slot of each expert on this rank
