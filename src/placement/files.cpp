@@ -40,6 +40,16 @@ bool before_in_steps(const fs::path& a, const fs::path& b) {
   return a < b;
 }
 
+// 0/1 only, every expert held in every layer (placement_from_omni_pattern's checks).
+bool reads_as_servable_pattern(const NpyArray& a) {
+  try {
+    placement_from_omni_pattern(a, "");
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 // Load snapshots from a 2-D .npy, a 3-D .npy [snapshots, layers, experts], an /expert_load JSON,
@@ -74,15 +84,16 @@ std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
     return out;
   }
   // An Omni placement pattern (`plan --omni-out`) is a 3-D int32 array of 0/1 too: read as loads
-  // it would plan for one token per expert held, silently.
-  if (a.dtype == "<i4" &&
-      std::all_of(a.values.begin(), a.values.end(), [](int64_t v) { return v == 0 || v == 1; }))
+  // it would plan for one token per expert held, silently. Int32 0/1 loads are real too (vLLM's
+  // EPLB expert_load_window at concurrency 1, or an idle one): only an array that also reads as a
+  // servable pattern (every expert held in every layer) is refused.
+  if (a.dtype == "<i4" && reads_as_servable_pattern(a))
     throw Error(path.string() + ": an int32 array of 0/1 [" + std::to_string(a.shape[0]) + ", " +
                 std::to_string(a.shape[1]) + ", " + std::to_string(a.shape[2]) +
                 "], an Omni placement pattern ([ranks, layers, experts], as --omni-out writes), "
                 "not loads: expected routed tokens, a .npy [layers, experts] (as "
                 "--expert-load-dump writes) or [snapshots, layers, experts] (give a placement "
-                "as --current)");
+                "as --current); if these are routed-token counts, save them as int64");
   const int64_t layers = a.shape[1], experts = a.shape[2], per = layers * experts;
   for (int64_t t = 0; t < a.shape[0]; ++t) {
     NpyArray one{{layers, experts},

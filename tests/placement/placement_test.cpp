@@ -558,6 +558,45 @@ TEST(Format, AnEnginesAdminPlacementAnswerIsReadAsItsPlacement) {
   std::filesystem::remove(file);
 }
 
+// vLLM's EPLB keeps expert_load_window as int32 [window, layers, experts]: at concurrency 1 each
+// step routes one token per layer to each of top-k experts, so every value is 0 or 1, and an idle
+// window is all 0. Neither reads as a servable placement pattern (experts held by no rank), so
+// both are loads; a pattern that serves is still refused.
+TEST(Format, Int32LoadsOfZerosAndOnesThatAreNoPlacementPatternAreLoads) {
+  const auto file = std::filesystem::temp_directory_path() /
+                    ("tandem-int32-loads-" + std::to_string(::getpid()) + ".npy");
+  std::vector<int64_t> one_per_row(4 * 2 * 8, 0);
+  for (int64_t row = 0; row < 4 * 2; ++row) one_per_row[size_t(row * 8 + (row * 3) % 8)] = 1;
+  for (const auto& values : {one_per_row, std::vector<int64_t>(4 * 2 * 8, 0)}) {
+    write_npy(file, {4, 2, 8}, values, true);
+    const std::vector<ExpertLoads> snapshots = read_load_snapshots(file);
+    ASSERT_EQ(snapshots.size(), 4u);
+    const ExpertLoads loads = read_loads(file);
+    EXPECT_EQ(loads.layers, 2);
+    EXPECT_EQ(loads.experts, 8);
+    int64_t total = 0;
+    for (auto v : loads.values) total += int64_t(v);
+    EXPECT_EQ(total, std::accumulate(values.begin(), values.end(), int64_t{0}));
+    const Plan p = plan(loads, {.ranks = 4});
+    EXPECT_NO_THROW(validate(p.placement));
+  }
+  // What --omni-out writes for a servable placement is refused, saying how to give such loads.
+  const Placement served{
+      4, 8, {{{0, 1}, {2, 3}, {4, 5}, {6, 7}}, {{7, 6}, {5, 4}, {3, 2}, {1, 0}}}};
+  const NpyArray pattern = placement_to_omni_pattern(served);
+  write_npy(file, pattern.shape, pattern.values, true);
+  try {
+    read_loads(file);
+    ADD_FAILURE() << "a placement pattern was read as loads";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Omni placement pattern"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("if these are routed-token counts, save them as int64"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove(file);
+}
+
 TEST(Format, LoadSnapshotsOfAnotherShapeAreRefusedNamingTheFile) {
   // `place simulate` compares each snapshot with the one before, expert by expert.
   const auto dir =
