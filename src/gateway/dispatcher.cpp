@@ -805,8 +805,10 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
 }
 
 void Dispatcher::enqueue_after_backoff(const RequestPtr& r) {
-  const auto due = std::min(exec_.now() + topo_.retry_backoff.before(r->busy_retries),
-                            r->kv_held_since + topo_.timeouts.decode_queue);
+  // random_u64: repeatable under a simulation's seed (seed_random_ids), as its bootstrap rooms.
+  const auto due =
+      std::min(exec_.now() + topo_.retry_backoff.jittered(r->busy_retries, random_u64()),
+               r->kv_held_since + topo_.timeouts.decode_queue);
   // Weak: the timer must not keep a request that ended meanwhile alive (finished() accounted for
   // it, and let go of its KV).
   exec_.at(due, [this, weak = std::weak_ptr<Request>(r), attempt = r->attempt] {

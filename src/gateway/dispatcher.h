@@ -183,7 +183,7 @@ class Dispatcher {
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message, Blame blame);
   // Sequential mode, a decode stage whose prefill engine refused the pull for now: it joins the
-  // queue again (first in line) after the backoff of its busy retry, never later than its
+  // queue again (first in line) after the jittered backoff of its busy retry, never later than its
   // KV's hold allows (timeouts.decode_queue_ms), unless it ended meanwhile.
   void enqueue_after_backoff(const RequestPtr& r);
   // A decode leg sent at `since` could not take its KV from this prefill engine: its failure, for

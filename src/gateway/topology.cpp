@@ -712,6 +712,13 @@ std::chrono::milliseconds RetryBackoff::before(int retry) const {
   return std::min(first * (int64_t{1} << doublings), max);
 }
 
+std::chrono::milliseconds RetryBackoff::jittered(int retry, uint64_t random) const {
+  const int64_t whole = before(retry).count();
+  const int64_t least = whole / 2;
+  return std::chrono::milliseconds(
+      least + static_cast<int64_t>(random % static_cast<uint64_t>(whole - least + 1)));
+}
+
 Endpoint parse_endpoint(const std::string& text) {
   return parse_endpoint_as(text, "endpoint");
 }

@@ -103,6 +103,10 @@ struct RetryBackoff {
 
   // Before the request's retry number `retry` (1 for its first).
   std::chrono::milliseconds before(int retry) const;
+  // The wait before(retry) jittered: from half of it to all of it, as `random` picks, so that legs
+  // refused at the same instant do not all come back at one tick to meet the same limit again
+  // (Envoy jitters its back-off too).
+  std::chrono::milliseconds jittered(int retry, uint64_t random) const;
 };
 
 // Priority classes (docs/gateway.md, "Priority classes"): requests are queued by class, first

@@ -32,6 +32,7 @@
 #include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/metrics.h"
+#include "util/random_id.h"
 #include "util/utf8.h"
 
 namespace tandem::gateway {
@@ -1978,6 +1979,16 @@ void answer_kv_transfer_busy(FakeEngines::Call& call, bool stream) {
   }
 }
 
+// The milliseconds until a decode leg is open (the clock advanced one at a time), at most `bound`;
+// -1 if none came.
+int ms_until_a_decode_leg(Cluster& c, int bound) {
+  for (int ms = 0; ms <= bound; ++ms) {
+    if (!c.engines.open("/v1/completions").empty()) return ms;
+    c.clock.advance_by(milliseconds(1));
+  }
+  return -1;
+}
+
 // A decode leg answered kv_transfer_busy is sent again, with the same kv_transfer_params (no
 // prefill runs again), once the topology's retry_backoff_ms has passed: the prefill engine needs
 // a transfer connection to free up, and an immediate retry would meet the same limit. Neither
@@ -2001,10 +2012,12 @@ TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBa
     answer_kv_transfer_busy(*decode[0], stream);
     c.clock.run_ready();
     EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent again at once: " << stream;
-    c.clock.advance_by(milliseconds(39));
+    // The wait is jittered: from half the backoff to all of it.
+    c.clock.advance_by(milliseconds(19));
     EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << stream;
     EXPECT_FALSE(client->complete()) << stream;
-    c.clock.advance_by(milliseconds(1));
+    const int waited = ms_until_a_decode_leg(c, 21);
+    EXPECT_GE(waited, 1) << stream;
     auto again = c.engines.open("/v1/completions");
     ASSERT_EQ(again.size(), 1u) << stream;
     EXPECT_EQ(host_of(*again[0]), "d") << stream;
@@ -2029,21 +2042,12 @@ TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBa
   }
 }
 
-// The milliseconds until a decode leg is open (the clock advanced one at a time), at most `bound`;
-// -1 if none came.
-int ms_until_a_decode_leg(Cluster& c, int bound) {
-  for (int ms = 0; ms <= bound; ++ms) {
-    if (!c.engines.open("/v1/completions").empty()) return ms;
-    c.clock.advance_by(milliseconds(1));
-  }
-  return -1;
-}
-
-// Each busy retry waits twice as long as the one before, up to retry_backoff_max_ms, and the last
-// goes when the prefill engine's hold ends (timeouts.decode_queue_ms after its answer): refused
-// then too, the client gets the engine's 503 and the prefill engine is told to let go of the KV
-// that no decode engine took. Such retries spend none of prefill_retries: the third refusal was
-// answered 503 after 30 ms, with the KV held for long after.
+// Each busy retry waits twice as long as the one before, up to retry_backoff_max_ms (each wait
+// jittered: from half of it to all of it), and the last goes when the prefill engine's hold ends
+// (timeouts.decode_queue_ms after its answer): refused then too, the client gets the engine's 503
+// and the prefill engine is told to let go of the KV that no decode engine took. Such retries
+// spend none of prefill_retries: the third refusal was answered 503 after 30 ms, with the KV held
+// for long after.
 TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTheKvIsLetGo) {
   Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
   t.prefill.dialect = Dialect::kTandem;
@@ -2053,24 +2057,33 @@ TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTh
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
-  // Sent at 0, 10, 30, 60 (40 capped to 30), 90, and at 100 when the hold ends.
-  for (const int wait : {10, 20, 30, 30, 10}) {
+  int since_prefill = 0, legs = 0;
+  while (since_prefill < 100) {
     auto decode = c.engines.open("/v1/completions");
-    ASSERT_EQ(decode.size(), 1u) << wait;
+    ASSERT_EQ(decode.size(), 1u) << since_prefill;
+    ++legs;
+    EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << since_prefill;
     answer_kv_transfer_busy(*decode[0], false);
     c.clock.run_ready();
-    EXPECT_FALSE(client->complete()) << wait << ": " << client->status;
-    EXPECT_EQ(ms_until_a_decode_leg(c, 1000), wait);
+    EXPECT_FALSE(client->complete()) << since_prefill << ": " << client->status;
+    const int waited = ms_until_a_decode_leg(c, 1000);
+    ASSERT_GE(waited, 0) << since_prefill;
+    since_prefill += waited;
+    // 10, 20, then 30 (40 capped), or less where the hold ends first.
+    const int backoff = std::min(10 << std::min(legs - 1, 2), 30);
+    EXPECT_LE(waited, backoff) << legs;
+    if (since_prefill < 100) EXPECT_GE(waited, backoff / 2) << legs;
   }
+  EXPECT_EQ(since_prefill, 100) << "the last leg goes when the hold ends";
+  EXPECT_GE(legs, 5);  // 0, 10, 30, 60, 90 without jitter
   auto last = c.engines.open("/v1/completions");
   ASSERT_EQ(last.size(), 1u);
-  EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty());
   answer_kv_transfer_busy(*last[0], false);
   c.clock.run_ready();
   EXPECT_EQ(client->status, 503);
   EXPECT_EQ(client->body, kv_transfer_busy_answer());
-  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 5);
-  EXPECT_EQ(c.engines.all("/v1/completions").size(), 7u) << "one prefill, six decode legs";
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), legs);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), size_t(legs) + 2) << "one prefill leg";
   const auto releases = c.engines.all("/v1/kv_transfer/release");
   ASSERT_EQ(releases.size(), 1u);
   EXPECT_EQ(host_of(*releases[0]), "p");
@@ -2079,20 +2092,60 @@ TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTh
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// Decode legs refused for busy transfer connections at the same instant come back spread over
+// their wait (jittered by the gateway's random source, seeded here as a simulation seeds it): all
+// at one tick, they would meet the same limit again. All ten came back 50 ms later, together.
+TEST(Dispatcher, DecodeLegsRefusedTogetherForBusyTransfersAreNotAllSentAgainAtOneTick) {
+  seed_random_ids(2026);
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  t.prefill.max_in_flight = t.decode.max_in_flight = 10;
+  Cluster c(t);
+  std::vector<std::shared_ptr<FakeClient>> clients;
+  for (int i = 0; i < 10; ++i) clients.push_back(c.send());
+  auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), 10u);
+  for (const auto& p : prefills)
+    FakeEngines::answer(*p, 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+  c.clock.run_ready();
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 10u);
+  for (const auto& d : decode) answer_kv_transfer_busy(*d, false);
+  c.clock.run_ready();
+  std::set<int> ticks;  // the milliseconds after the refusals at which legs went again
+  size_t sent = 0;
+  for (int ms = 1; ms <= 50; ++ms) {
+    c.clock.advance_by(milliseconds(1));
+    const size_t open = c.engines.open("/v1/completions").size();
+    if (open > sent) ticks.insert(ms);
+    if (ms < 25) {
+      EXPECT_EQ(open, 0u) << ms;
+    }
+    sent = open;
+  }
+  EXPECT_EQ(sent, 10u);
+  EXPECT_GT(ticks.size(), 1u);
+  c.answer_all("decoded");
+  for (const auto& client : clients) EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // With the default topology (prefill_retries 2, retry_backoff_ms 50): refused for busy transfer
-// connections at +0, +50 and +150 ms, the decode leg goes a fourth time, and a failure of its
-// engine after that still has its retry from the prefill. The third refusal was answered 503,
-// 150 ms after the prefill, and two refusals left a failure no retry.
+// connections three times (at +0, +50 and +150 ms without jitter), the decode leg goes a fourth
+// time, and a failure of its engine after that still has its retry from the prefill. The third
+// refusal was answered 503, 150 ms after the prefill, and two refusals left a failure no retry.
 TEST(Dispatcher, BusyTransferRefusalsSpendNoneOfTheRetriesAFailureNeeds) {
   Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
   t.prefill.dialect = Dialect::kTandem;
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
-  for (const int wait : {50, 100, 200}) {
+  for (const int backoff : {50, 100, 200}) {
     answer_kv_transfer_busy(*c.engines.open("/v1/completions").at(0), false);
     c.clock.run_ready();
-    ASSERT_EQ(ms_until_a_decode_leg(c, 1000), wait) << client->status;
+    const int waited = ms_until_a_decode_leg(c, 1000);
+    ASSERT_GE(waited, backoff / 2) << client->status;  // jittered
+    EXPECT_LE(waited, backoff);
   }
   FakeEngines::finish(*c.engines.open("/v1/completions").at(0), "connection reset by peer");
   c.clock.run_ready();
