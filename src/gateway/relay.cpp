@@ -448,6 +448,12 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
   };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
     const Dispatcher::Blame whose = blame();
+    if (whose == Dispatcher::Blame::kNoEngineKvBusy) {
+      // Not failed, but refused for now: answered as a whole refusal is (the engine's 503 and
+      // error) once its busy retries are spent, not as the decode engine's failure (a 502).
+      dispatcher_.leg_failed(r, attempt, endpoint_id, 503, std::move(l.body), {}, whose);
+      return;
+    }
     dispatcher_.leg_failed(
         r, attempt, endpoint_id, 502, {},
         "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body),

@@ -2045,51 +2045,56 @@ TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBa
 // Each busy retry waits twice as long as the one before, up to retry_backoff_max_ms (each wait
 // jittered: from half of it to all of it), and the last goes when the prefill engine's hold ends
 // (timeouts.decode_queue_ms after its answer): refused then too, the client gets the engine's 503
-// and the prefill engine is told to let go of the KV that no decode engine took. Such retries
-// spend none of prefill_retries: the third refusal was answered 503 after 30 ms, with the KV held
-// for long after.
+// and the prefill engine is told to let go of the KV that no decode engine took (a stream's
+// refusal too: it was answered 502, as the decode engine's failure). Such retries spend none of
+// prefill_retries: the third refusal was answered 503 after 30 ms, with the KV held for long
+// after.
 TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTheKvIsLetGo) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
-  t.retry_backoff.first = milliseconds(10);
-  t.retry_backoff.max = milliseconds(30);
-  t.timeouts.decode_queue = milliseconds(100);
-  Cluster c(t);
-  auto client = c.send();
-  prefill_answers(c);
-  int since_prefill = 0, legs = 0;
-  while (since_prefill < 100) {
-    auto decode = c.engines.open("/v1/completions");
-    ASSERT_EQ(decode.size(), 1u) << since_prefill;
-    ++legs;
-    EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << since_prefill;
-    answer_kv_transfer_busy(*decode[0], false);
+  for (const bool stream : {false, true}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+    t.prefill.dialect = Dialect::kTandem;
+    t.retry_backoff.first = milliseconds(10);
+    t.retry_backoff.max = milliseconds(30);
+    t.timeouts.decode_queue = milliseconds(100);
+    Cluster c(t);
+    auto client = c.send(stream);
+    prefill_answers(c);
+    int since_prefill = 0, legs = 0;
+    while (since_prefill < 100) {
+      auto decode = c.engines.open("/v1/completions");
+      ASSERT_EQ(decode.size(), 1u) << since_prefill;
+      ++legs;
+      EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << since_prefill;
+      answer_kv_transfer_busy(*decode[0], stream);
+      c.clock.run_ready();
+      EXPECT_FALSE(client->complete()) << since_prefill << ": " << client->status;
+      const int waited = ms_until_a_decode_leg(c, 1000);
+      ASSERT_GE(waited, 0) << since_prefill;
+      since_prefill += waited;
+      // 10, 20, then 30 (40 capped), or less where the hold ends first.
+      const int backoff = std::min(10 << std::min(legs - 1, 2), 30);
+      EXPECT_LE(waited, backoff) << legs;
+      if (since_prefill < 100) {
+        EXPECT_GE(waited, backoff / 2) << legs;
+      }
+    }
+    EXPECT_EQ(since_prefill, 100) << "the last leg goes when the hold ends";
+    EXPECT_GE(legs, 5);  // 0, 10, 30, 60, 90 without jitter
+    auto last = c.engines.open("/v1/completions");
+    ASSERT_EQ(last.size(), 1u);
+    answer_kv_transfer_busy(*last[0], stream);
     c.clock.run_ready();
-    EXPECT_FALSE(client->complete()) << since_prefill << ": " << client->status;
-    const int waited = ms_until_a_decode_leg(c, 1000);
-    ASSERT_GE(waited, 0) << since_prefill;
-    since_prefill += waited;
-    // 10, 20, then 30 (40 capped), or less where the hold ends first.
-    const int backoff = std::min(10 << std::min(legs - 1, 2), 30);
-    EXPECT_LE(waited, backoff) << legs;
-    if (since_prefill < 100) EXPECT_GE(waited, backoff / 2) << legs;
+    EXPECT_EQ(client->status, 503) << stream;
+    EXPECT_EQ(client->body, kv_transfer_busy_answer()) << stream;
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), legs);
+    EXPECT_EQ(c.engines.all("/v1/completions").size(), size_t(legs) + 2) << "one prefill leg";
+    const auto releases = c.engines.all("/v1/kv_transfer/release");
+    ASSERT_EQ(releases.size(), 1u) << stream;
+    EXPECT_EQ(host_of(*releases[0]), "p");
+    EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+    EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0) << stream;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << stream;
   }
-  EXPECT_EQ(since_prefill, 100) << "the last leg goes when the hold ends";
-  EXPECT_GE(legs, 5);  // 0, 10, 30, 60, 90 without jitter
-  auto last = c.engines.open("/v1/completions");
-  ASSERT_EQ(last.size(), 1u);
-  answer_kv_transfer_busy(*last[0], false);
-  c.clock.run_ready();
-  EXPECT_EQ(client->status, 503);
-  EXPECT_EQ(client->body, kv_transfer_busy_answer());
-  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), legs);
-  EXPECT_EQ(c.engines.all("/v1/completions").size(), size_t(legs) + 2) << "one prefill leg";
-  const auto releases = c.engines.all("/v1/kv_transfer/release");
-  ASSERT_EQ(releases.size(), 1u);
-  EXPECT_EQ(host_of(*releases[0]), "p");
-  EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
-  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
-  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // Decode legs refused for busy transfer connections at the same instant come back spread over
