@@ -590,8 +590,14 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   if (has("prefill_retries"))
     t.prefill_retries = static_cast<int>(r.integer(keys.at("prefill_retries"), "prefill_retries", 0,
                                                    kMaxPrefillRetries, retries_expected()));
-  if (has("retry_backoff_ms"))
+  if (has("retry_backoff_ms")) {
     t.retry_backoff.first = r.milliseconds(keys.at("retry_backoff_ms"), "retry_backoff_ms");
+    // Given alone, its max follows it (Envoy's: ten times the base), never below the default:
+    // `retry_backoff_ms: 2000` must not be refused for a max of 1000 ms it never set.
+    if (!has("retry_backoff_max_ms"))
+      t.retry_backoff.max = std::clamp(10 * t.retry_backoff.first, RetryBackoff{}.max,
+                                       std::chrono::milliseconds(kMaxMilliseconds));
+  }
   if (has("retry_backoff_max_ms"))
     t.retry_backoff.max = r.milliseconds(keys.at("retry_backoff_max_ms"), "retry_backoff_max_ms");
   if (has("access_log"))

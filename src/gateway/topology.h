@@ -96,7 +96,8 @@ struct Timeouts {
 // for now (api::kKvTransferBusyCode: every KV transfer connection it allows was in use): an
 // immediate retry would meet the same limit. `first` before the request's first retry, doubled
 // for each retry after, at most `max` (Envoy's retry back-off: base and max interval). The file's
-// `retry_backoff_ms` and `retry_backoff_max_ms`.
+// `retry_backoff_ms` and `retry_backoff_max_ms` (when only the first is given, the max is ten
+// times it, at least 1000 ms).
 struct RetryBackoff {
   std::chrono::milliseconds first{50};
   std::chrono::milliseconds max{1000};

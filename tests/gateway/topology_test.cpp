@@ -991,6 +991,30 @@ TEST(TopologyYaml, ShutdownTimeoutIsSecondsAndZeroIsNoDrain) {
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("shutdown_timeout: expected a number"));
 }
 
+// retry_backoff_ms given without retry_backoff_max_ms: the max is ten times it (Envoy's default
+// ratio), never below the 1000 ms default. `retry_backoff_ms: 2000` alone was refused, naming
+// retry_backoff_max_ms, a field the file did not set.
+TEST(TopologyYaml, ARetryBackoffGivenAloneHasAMaxThatFollowsIt) {
+  const std::string pools =
+      "mode: sequential\nprefill: {dialect: tandem, endpoints: [p:1]}\n"
+      "decode: {dialect: tandem, endpoints: [d:1]}\n";
+  EXPECT_EQ(yaml_error(pools + "retry_backoff_ms: 2000\n"), "");
+  const Topology large = parse_topology_yaml(pools + "retry_backoff_ms: 2000\n", "t.yaml");
+  EXPECT_EQ(large.retry_backoff.first, 2000ms);
+  EXPECT_EQ(large.retry_backoff.max, 20000ms);
+  const Topology small = parse_topology_yaml(pools + "retry_backoff_ms: 20\n", "t.yaml");
+  EXPECT_EQ(small.retry_backoff.first, 20ms);
+  EXPECT_EQ(small.retry_backoff.max, 1000ms);
+  // A max given is kept, and checked against the first wait.
+  EXPECT_EQ(
+      parse_topology_yaml(pools + "retry_backoff_ms: 2000\nretry_backoff_max_ms: 3000\n", "t.yaml")
+          .retry_backoff.max,
+      3000ms);
+  EXPECT_NE(yaml_error(pools + "retry_backoff_ms: 2000\nretry_backoff_max_ms: 1000\n")
+                .find("retry_backoff_max_ms"),
+            std::string::npos);
+}
+
 TEST(LoadTopology, AMissingFileIsAnErrorNamingIt) {
   test::TempDir dir("topology");
   const std::string path = (dir / "absent.yaml").string();
