@@ -420,6 +420,22 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         "answer_too_large");
     return;
   }
+  // A decode engine that could not take the prompt's KV from its prefill engine says so in the
+  // code of its error (an error status, or a stream's first event): that engine failed, or (the
+  // KV was gone there, or the engine had no transfer connection free for now) no engine did.
+  // Read before the 504 below too: start_leg's completion reads these flags, and a refusal that
+  // came whole just after the leg's deadline is no failure of the decode engine's either.
+  const Dispatcher::Blame blame = [&] {
+    if (topo_.mode == PdMode::kAggregated) return Dispatcher::Blame::kItsEngine;
+    l.kv_transfer_failed = error_code == api::kKvTransferFailedCode;
+    l.kv_expired = error_code == api::kKvTransferExpiredCode;
+    l.kv_transfer_busy =
+        topo_.mode == PdMode::kSequential && error_code == api::kKvTransferBusyCode;
+    if (l.kv_transfer_failed) return Dispatcher::Blame::kPrefillEngine;
+    if (l.kv_expired) return Dispatcher::Blame::kNoEngineKvGone;
+    if (l.kv_transfer_busy) return Dispatcher::Blame::kNoEngineKvBusy;
+    return Dispatcher::Blame::kItsEngine;
+  }();
   // A leg still connecting at the deadline never reached its engine: another engine need not take
   // as long, so it is retried below like any leg that could not connect.
   if (whole_answer_timed_out && !l.never_connected) {  // as nginx answers a timed-out POST: 504
@@ -432,32 +448,17 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         "timeout");
     return;
   }
-  // A decode engine that could not take the prompt's KV from its prefill engine says so in the
-  // code of its error (an error status, or a stream's first event): that engine failed, or (the
-  // KV was gone there, or the engine had no transfer connection free for now) no engine did.
-  auto blame = [&] {
-    if (topo_.mode == PdMode::kAggregated) return Dispatcher::Blame::kItsEngine;
-    l.kv_transfer_failed = error_code == api::kKvTransferFailedCode;
-    l.kv_expired = error_code == api::kKvTransferExpiredCode;
-    l.kv_transfer_busy =
-        topo_.mode == PdMode::kSequential && error_code == api::kKvTransferBusyCode;
-    if (l.kv_transfer_failed) return Dispatcher::Blame::kPrefillEngine;
-    if (l.kv_expired) return Dispatcher::Blame::kNoEngineKvGone;
-    if (l.kv_transfer_busy) return Dispatcher::Blame::kNoEngineKvBusy;
-    return Dispatcher::Blame::kItsEngine;
-  };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
-    const Dispatcher::Blame whose = blame();
-    if (whose == Dispatcher::Blame::kNoEngineKvBusy) {
+    if (blame == Dispatcher::Blame::kNoEngineKvBusy) {
       // Not failed, but refused for now: answered as a whole refusal is (the engine's 503 and
       // error) once its busy retries are spent, not as the decode engine's failure (a 502).
-      dispatcher_.leg_failed(r, attempt, endpoint_id, 503, std::move(l.body), {}, whose);
+      dispatcher_.leg_failed(r, attempt, endpoint_id, 503, std::move(l.body), {}, blame);
       return;
     }
     dispatcher_.leg_failed(
         r, attempt, endpoint_id, 502, {},
         "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body),
-        whose);
+        blame);
     return;
   }
   if (reason.empty() && l.status == 200 && !l.streaming) {
@@ -501,8 +502,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         l.never_connected ? Dispatcher::Blame::kItsEngineUnreached : Dispatcher::Blame::kItsEngine);
     return;
   }
-  const Dispatcher::Blame whose = blame();
-  dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, whose);
+  dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, blame);
 }
 
 }  // namespace tandem::gateway

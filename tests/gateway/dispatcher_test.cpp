@@ -2164,6 +2164,33 @@ TEST(Dispatcher, BusyTransferRefusalsSpendNoneOfTheRetriesAFailureNeeds) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// A busy refusal that came whole just as the decode leg's first_token_ms deadline cut it (the
+// answer and the cancel crossed) is no failure of the decode engine's: the client gets the 504 of
+// a timed-out whole answer, and the engine is counted neither failed nor overloaded. The 504 was
+// answered before the refusal's code was read, and its 503 counted as the engine's overload.
+TEST(Dispatcher, ABusyRefusalThatCrossesTheDecodeLegsDeadlineIsNoFaultOfItsEngine) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  t.timeouts.first_token = milliseconds(500);
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  c.engines.answer_crossing_cancel = kv_transfer_busy_answer();
+  c.engines.answer_crossing_cancel_status = 503;
+  c.clock.advance_by(milliseconds(500));
+  c.clock.run_ready();
+  c.engines.answer_crossing_cancel.clear();
+  EXPECT_TRUE(decode[0]->cancelled);
+  EXPECT_EQ(client->status, 504);
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"d\"}"),
+            0);
+  EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << "no decode engine took it";
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A client that leaves while its decode stage waits out the backoff ends there: its KV is let
 // go of, and no decode leg is sent when the wait is over.
 TEST(Dispatcher, AClientThatLeavesDuringTheBusyBackoffHasItsKvLetGo) {
