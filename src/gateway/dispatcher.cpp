@@ -774,10 +774,13 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     } else {
       r->stage = Stage::kFirst;
       release_decode(*r);
-      // The prompt is prefilled again: KV the failed decode leg left untaken (it never connected,
-      // or could not pull it) is let go of now; one that took it has it (or its hold times out on
-      // the prefill engine): not released twice.
-      release_unclaimed_kv(*r);
+      // The prompt is prefilled again: the prefill engine is told to let go of the KV the failed
+      // decode leg was sent for, whatever that leg did (the last that could take it has ended). A
+      // hold its engine pulled answers not_held, one being pulled is refused; and a pull that
+      // failed naming no engine was refused for an allow list, a layout or a secret that do not
+      // match, for which that decode engine's own release is refused too.
+      if (!r->held_kv.empty())
+        release_held_kv(r->held_kv_endpoint, std::exchange(r->held_kv, {}), r->headers);
     }
     enqueue(r, true);
     dispatch();

@@ -1826,7 +1826,11 @@ TEST(Dispatcher, ASequentialDecodeLegThatFailedAfterConnectingStartsAgainFromIts
     EXPECT_EQ(host_of(*decode[0]), "d2") << which;
     c.answer_all("decoded");
     EXPECT_EQ(client->status, 200) << which;
-    EXPECT_TRUE(c.engines.all("/v1/kv_transfer/release").empty()) << which;
+    // The first prefill's hold, told to let go when the prompt was prefilled again (d1 may have
+    // pulled it: then it answers not_held); d2 took the second.
+    const auto releases = c.engines.all("/v1/kv_transfer/release");
+    ASSERT_EQ(releases.size(), 1u) << which;
+    EXPECT_EQ(host_of(*releases[0]), "p") << which;
     EXPECT_EQ(c.dispatcher.active(), 0u) << which;
   }
 }
@@ -2435,6 +2439,36 @@ TEST(Dispatcher, ADecodeLegWhoseKvTransferFailedHasThePrefillEngineLetGoOnce) {
     EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << retries;
     EXPECT_EQ(c.dispatcher.active(), 0u) << retries;
   }
+}
+
+// A decode leg whose pull failed naming no engine (a 502 without a code: the prefill engine
+// refused it for an allow list, a layout or a secret that do not match) starts the request again
+// from the prefill, and the gateway tells the prefill engine to let go of the first hold, once:
+// the decode engine's own release is refused for the same mismatch. Nobody released it: the
+// blocks stayed held until the prefill engine's --kv-transfer-timeout.
+TEST(Dispatcher, ADecodeLegThatFailsNamingNoEngineHasThePrefillEngineLetGo) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c);
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 502,
+                      api::openai_error_body("generation failed: KV transfer from the prefill "
+                                             "engine at p.engines:9000 failed: refused",
+                                             "server_error"));
+  c.clock.run_ready();
+  const auto releases = c.engines.all("/v1/kv_transfer/release");
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(host_of(*releases[0]), "p");
+  EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+  prefill_answers(c);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << "d2 took the second hold";
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // A decode engine whose HTTP server refuses the leg before any application reads it (a wrong API
