@@ -346,9 +346,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       return;
     }
     const uint64_t id = ++next_link_;
-    // From `from`, not from the wake: a stall under way already (the decode engine froze after it
-    // registered a room) holds the first frame, which times out as any other would.
-    links_[id] = {peer, from, std::move(failed)};
+    // Started at `from`, not at the wake: a stall under way already (the decode engine froze after
+    // it registered a room) holds the first frame, which times out as any other would.
+    links_[id] = {peer, from, awake, std::move(failed)};
     check_stalled_link(id);
     link_end(id, awake + length, std::move(done));
   }
@@ -356,19 +356,20 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     at(end, [this, id, end, done = std::move(done)]() mutable {
       auto it = links_.find(id);
       if (it == links_.end() || it->second.failing) return;  // failed by a stall
-      const Link& l = it->second;
-      const Duration lost = frozen(l.peer, both_awake_from(l.peer, l.from), end);
+      Link& l = it->second;
+      // What stalls took of the time since it last went on moves its end on by as much, from
+      // when both engines are awake again (the time until then, stalled, is not counted twice).
+      const Duration lost = frozen(l.peer, l.resumed, end);
       if (lost > Duration::zero()) {
-        it->second.from = end;
-        const TimePoint from = both_awake_from(l.peer, end);
-        if (from.time_since_epoch() + lost > duration_of(kMaxVirtualSeconds)) {
-          const std::string why = too_slow_error(l.peer, seconds_of(from + lost));
-          LinkFailed failed = std::move(it->second.failed);
+        l.resumed = both_awake_from(l.peer, end);
+        if (l.resumed.time_since_epoch() + lost > duration_of(kMaxVirtualSeconds)) {
+          const std::string why = too_slow_error(l.peer, seconds_of(l.resumed + lost));
+          LinkFailed failed = std::move(l.failed);
           links_.erase(it);
           failed(why, false);
           return;
         }
-        link_end(id, from + lost, std::move(done));
+        link_end(id, l.resumed + lost, std::move(done));
         return;
       }
       links_.erase(it);
@@ -391,7 +392,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (l.failing) return;
     const Duration limit = duration_of(config_.timeout_s);
     const std::optional<TimePoint> stopped =
-        frozen_past(l.peer, l.from, net_.clock_.now() + Duration(1), limit);
+        frozen_past(l.peer, l.started, net_.clock_.now() + Duration(1), limit);
     if (!stopped) return;
     l.failing = true;
     at(*stopped + limit, [this, id, limit_s = config_.timeout_s] {
@@ -408,7 +409,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // A transfer under way on a link of this (prefill) engine's (after_link_time).
   struct Link {
     Endpoint* peer = nullptr;
-    TimePoint from;  // since when it has run, the stalls that ended before not counting
+    // When it began: its stalls count from here towards the transfer timeout, however often it
+    // was moved on.
+    TimePoint started;
+    // When it last went on (both engines awake), from its start or a stall that held back its
+    // planned end: the time after it that stalls take moves its end on again.
+    TimePoint resumed;
     LinkFailed failed;
     bool failing = false;  // a stall fails it (check_stalled_links)
   };

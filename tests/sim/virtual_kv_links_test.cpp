@@ -342,6 +342,73 @@ TEST_F(VirtualKvLinks, ARoomSendToADecodeEngineStalledBeforeItBeganTimesOut) {
   EXPECT_TRUE(fetched.result->prefill_fault);
 }
 
+// Room 7's send slowed so that its 128 bytes take 3.5 s (5.12 ns at 25 GB/s, 683,593,750 times
+// slower): its decode leg registers at 50 us, every layer written at 0 s, the last byte goes at
+// 3.50005 s and arrives a latency later, at 3.5001 s, unless a stall holds it back.
+class VirtualKvLinksSlowRoom : public VirtualKvLinks {
+ protected:
+  void begin(RoomEnd& room, FetchEnd& fetched) {
+    net_.slow("prefill", 683593750);
+    const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(room));
+    ASSERT_NE(claim, 0u);
+    prefill_->room_layers_done(7, claim, 2);
+    decode_->fetch(registration(), fetch_end(fetched));
+  }
+  void stall(const std::string& engine, double from_s, double until_s) {
+    run_until(from_s);
+    net_.stall(engine, time_at(start_s_ + until_s));
+  }
+};
+
+// Overlapping stalls of the two engines freeze the link for their union: prefill stalled from 3 s
+// to 4 s and decode from 3.8 s to 6 s leave the send 0.5001 s to go at 3 s, which it goes on
+// with at 6 s, ending at 6.5001 s (timeout 30 s: nothing fails). It ended at 4.5001 s: at its
+// planned end, in prefill's stall, the send was moved on by the 0.5001 s prefill's stall had
+// taken, from prefill's wake (4 s), and then counted only decode's stall time after 6 s.
+TEST_F(VirtualKvLinksSlowRoom, OverlappingStallsOfBothEnginesHoldTheTransferForTheirUnion) {
+  RoomEnd room;
+  FetchEnd fetched;
+  begin(room, fetched);
+  stall("prefill", 3.0, 4.0);
+  stall("decode", 3.8, 6.0);
+  run_until(10);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_TRUE(fetched.result->ok) << fetched.result->error;
+  EXPECT_NEAR(fetched.at_s, 6.5001, 1e-6);
+  EXPECT_EQ(room.ok, std::optional<bool>(true)) << room.error;
+  EXPECT_NEAR(room.at_s, 6.5001, 1e-6);
+}
+
+// A stall extended after the transfer's planned end counts from its start: prefill stalled from
+// 3 s to 3.9 s (within a 1 s timeout), extended at 3.8 s to 4.5 s, freezes the link for 1.5 s;
+// live, the decode engine's receive times out at 4 s, as the prefill engine's fault. The stall
+// was measured from the planned end (3.5001 s to 4.5 s: not over the timeout), and the transfer
+// ended at 4.4001 s, inside the stall (moved on from the wake known at its planned end, 3.9 s).
+TEST_F(VirtualKvLinksSlowRoom, AStallExtendedPastTheTimeoutAfterThePlannedEndFailsTheTransfer) {
+  prefill_.reset();  // a prefill engine of a 1 s timeout, at the same address
+  engine::KvTransferConfig p;
+  p.engine_id = "prefill";
+  p.port = 1;
+  p.advertise_host = "prefill-host";
+  p.timeout_s = 1;
+  prefill_ = net_.make(p, executor_, post(), now(), [] {});
+  RoomEnd room;
+  FetchEnd fetched;
+  begin(room, fetched);
+  stall("prefill", 3.0, 3.9);
+  stall("prefill", 3.8, 4.5);
+  run_until(10);
+  EXPECT_EQ(room.ok, std::optional<bool>(false));
+  EXPECT_NEAR(room.at_s, 4.0, 1e-9);
+  EXPECT_EQ(room.error,
+            "no KV frame moved within the transfer timeout of 1 s (--kv-transfer-timeout): an "
+            "engine of the link stalled");
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_TRUE(fetched.result->prefill_fault);
+  EXPECT_NEAR(fetched.at_s, 4.00005, 1e-9);
+}
+
 TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   const int64_t tokens = int64_t{1} << 45;  // 16 bytes each: 10^10 s at 25 GB/s slowed 10^6 x
   net_.slow("prefill", 1e6);
