@@ -84,7 +84,11 @@ int64_t queued_prefill_seqs(const EngineLoadState& state, const GatewayCounts& c
   // report's interval of caution.
   const int64_t unreported = std::clamp<int64_t>(counts.legs_launched - state.legs_launched_at_poll,
                                                  0, std::max<int64_t>(in_flight, 0));
-  return std::max<int64_t>(state.report.waiting, 0) + unreported;
+  // An engine takes requests in only between steps: those handed to it during a long step are in
+  // neither its waiting nor its running. This gateway's own legs it does not report running are
+  // still to prefill, whatever the report says of its queue.
+  const int64_t not_running = in_flight - std::max<int64_t>(state.report.running, 0);
+  return std::max(std::max<int64_t>(state.report.waiting, 0) + unreported, not_running);
 }
 
 }  // namespace tandem::gateway

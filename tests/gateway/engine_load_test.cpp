@@ -276,5 +276,21 @@ TEST(EngineLoad, SequencesToPrefillAreTheReportedWaitingPlusTheLegsLaunchedSince
   EXPECT_EQ(queued_prefill_seqs({}, counts, 45, t0, milliseconds(400)), -1);
 }
 
+// An engine takes requests in only between steps: those handed to it during a long step are in
+// neither its report's waiting nor its running, and the legs launched before the last poll are
+// not "since the poll" either. This gateway's own legs the engine does not report running are
+// still to prefill (a review of d80f898: 40 legs sent during a 1 s step read as none).
+TEST(EngineLoad, LegsTheEngineHasNotTakenInDuringALongStepAreStillToPrefill) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  LoadReport r = api::parse_load_report(kReport);
+  r.running = 8;
+  r.waiting = 0;
+  EngineLoadState s = absorb({}, r, {}, t0, {});
+  s.legs_launched_at_poll = 48;
+  GatewayCounts counts;
+  counts.legs_launched = 48;
+  EXPECT_EQ(queued_prefill_seqs(s, counts, 48, t0, milliseconds(400)), 40);
+}
+
 }  // namespace
 }  // namespace tandem::gateway
