@@ -16,6 +16,7 @@
 
 #include "api/api_key.h"
 #include "api/reasoning.h"
+#include "cli/gateway_capacity_flags.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
@@ -548,10 +549,7 @@ CLI::App* add_engine_subcommand(CLI::App& app, EngineOptions& o) {
   cmd->add_option("--max-body-bytes", o.max_body_bytes, "largest request body accepted")
       ->capture_default_str()
       ->check(positive_number());
-  cmd->add_option("--max-connections", o.max_connections,
-                  "client connections held at once; past it new ones are closed at once "
-                  "(0: three quarters of the file descriptor limit)")
-      ->capture_default_str();
+  add_max_connections_flag(*cmd, o.max_connections);  // the gateway's: one definition
   cmd->add_option("--sim-time-scale", o.sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()

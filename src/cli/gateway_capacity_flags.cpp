@@ -1,5 +1,6 @@
 #include "cli/gateway_capacity_flags.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace tandem::cli {
@@ -10,17 +11,26 @@ namespace {
 // unbounded queue or cap where a typo was meant to be refused.
 constexpr size_t kMaxCount = std::numeric_limits<int>::max();
 
+// The connection cap one gateway takes without --max-connections, as net::HttpServer resolves
+// max_connections 0 (http_server.cpp, default_max_connections): three quarters of the descriptor
+// limit, the rest left for its upstream connections and files.
+size_t one_gateways_default_connection_cap(std::optional<size_t> descriptor_limit) {
+  if (!descriptor_limit) return size_t{1} << 20;
+  return std::max<size_t>(16, *descriptor_limit / 4 * 3);
+}
+
+// `whole` shared by `n`, rounded up: together at least `whole`, and never 0 where `whole` is not.
+size_t share_rounded_up(size_t whole, size_t n) {
+  return (whole + n - 1) / n;
+}
+
 }  // namespace
 
 void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags) {
   cmd.add_option("--max-queue", flags.max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, kMaxCount));
-  cmd.add_option("--max-connections", flags.max_connections,
-                 "client connections held at once; past it new ones are closed at once "
-                 "(0: three quarters of the file descriptor limit)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{0}, kMaxCount));
+  add_max_connections_flag(cmd, flags.max_connections);
   cmd.add_option("--max-connections-per-address", flags.max_connections_per_address,
                  "of those, held at once from one client address; past it its new ones are "
                  "closed at once (0: no limit; leave it behind a proxy or load balancer)")
@@ -43,6 +53,14 @@ void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags) {
       ->check(CLI::Range(1, gateway::kMaxIoThreads));
 }
 
+void add_max_connections_flag(CLI::App& cmd, size_t& max_connections) {
+  cmd.add_option("--max-connections", max_connections,
+                 "client connections held at once; past it new ones are closed at once "
+                 "(0: three quarters of the file descriptor limit)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{0}, kMaxCount));
+}
+
 void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFlags& flags,
                                   const CLI::App& cmd, bool only_given) {
   const auto given = [&](const char* flag) { return !only_given || cmd.count(flag) > 0; };
@@ -53,6 +71,23 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
   if (given("--max-unsent-bytes")) t.max_unsent_bytes = flags.max_unsent_bytes;
   if (given("--max-answer-bytes")) t.max_answer_bytes = flags.max_answer_bytes;
   if (given("--http-threads")) t.io_threads = flags.http_threads;
+}
+
+void share_among_gateway_replicas(gateway::Topology& t, int replicas,
+                                  std::optional<size_t> descriptor_limit) {
+  if (replicas <= 1) return;
+  const auto n = static_cast<size_t>(replicas);
+  for (gateway::Pool* p : {&t.prefill, &t.decode})
+    p->max_in_flight = static_cast<int>(share_rounded_up(static_cast<size_t>(p->max_in_flight), n));
+  // The default is an equal share rounded down: together no more than one gateway's, which
+  // leaves the process a quarter of its descriptors.
+  t.max_connections =
+      t.max_connections > 0
+          ? share_rounded_up(t.max_connections, n)
+          : std::max<size_t>(1, one_gateways_default_connection_cap(descriptor_limit) / n);
+  // One address's connections are spread over the replicas as all are (the kernel picks a
+  // replica by the connection's addresses and ports), so each replica bounds its share of them.
+  t.max_connections_per_address = share_rounded_up(t.max_connections_per_address, n);
 }
 
 }  // namespace tandem::cli

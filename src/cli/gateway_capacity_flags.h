@@ -3,6 +3,7 @@
 // one definition of each flag's name, help, default and bounds, so both commands read and bound
 // it alike and write it into the same Topology field.
 #include <cstddef>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 
@@ -25,9 +26,22 @@ struct GatewayCapacityFlags {
 // the flag (before `tandem serve` writes a preset or starts an engine).
 void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags);
 
+// --max-connections as `tandem gateway`, `tandem serve` and `tandem engine` take it (one
+// definition): its help, default 0 and bounds.
+void add_max_connections_flag(CLI::App& cmd, size_t& max_connections);
+
 // Writes the flags into `t`: those given on `cmd` only where `t` has settings of its own (a
 // --config file's), else every flag, given or by default.
 void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFlags& flags,
                                   const CLI::App& cmd, bool only_given);
+
+// `t`, the settings of a whole stack, made into those of each of its `replicas` gateway replicas
+// (`tandem serve --gateways`), which run in one process. Each takes its share of what bounds the
+// stack: the engines' in-flight limits and the client connection caps (the stack's file
+// descriptor limit is one; with max_connections 0 each takes its share of three quarters of
+// `descriptor_limit`, nullopt where unknown or unlimited), a given cap divided rounding up (so
+// never to 0, which would mean the default). max_queue and io_threads stay each replica's own.
+void share_among_gateway_replicas(gateway::Topology& t, int replicas,
+                                  std::optional<size_t> descriptor_limit);
 
 }  // namespace tandem::cli

@@ -14,6 +14,7 @@
 #include "cli/gateway_command.h"
 #include "cli/generate_command.h"
 #include "cli/model_commands.h"
+#include "cli/number_checks.h"
 #include "cli/place_command.h"
 #include "cli/serve_command.h"
 #include "cli/simulate_command.h"
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_bench_command(app);
   tandem::cli::add_simulate_command(app);
   tandem::cli::add_place_command(app);
+  tandem::cli::refuse_integers_not_in_decimal(app);  // every command's, once all are added
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -3,6 +3,7 @@
 // NonNegativeNumber answer 0 with "Value 0 not in range 0.000000 to " and the largest double in
 // 309 digits. CLI11 puts the flag's name before these messages: "--max-num-seqs: must be a
 // positive number, got 0".
+#include <cctype>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -64,6 +65,31 @@ inline CLI::Validator at_least_a_millisecond() {
         return std::string();
       },
       ">=0.001");
+}
+
+// Every integer option of `app` and its subcommands, as they stand, takes decimal only: "010"
+// and "0x10" are refused naming the flag. CLI11 (2.1) reads integers as strtoll with base 0,
+// "010" as octal 8 and "0x10" as 16, where a user meant 10 or a typo.
+inline void refuse_integers_not_in_decimal(CLI::App& app) {
+  const CLI::Validator decimal(
+      [](const std::string& text) {
+        // A 0 that begins more digits (or x), after the sign strtoll takes and its spaces.
+        size_t at = 0;
+        while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at;
+        if (at < text.size() && (text[at] == '+' || text[at] == '-')) ++at;
+        if (at + 1 < text.size() && text[at] == '0')
+          return "expected a decimal number (no leading 0 or 0x), got " + text;
+        return std::string();
+      },
+      "");  // nothing added to the help's type
+  for (CLI::Option* option : app.get_options()) {
+    // CLI11's own type name, before any check's ("UINT:INT in [1 - 64]").
+    const std::string type = option->get_type_name();
+    const std::string base = type.substr(0, type.find(':'));
+    if (base == "INT" || base == "UINT") option->check(decimal);
+  }
+  for (CLI::App* command : app.get_subcommands([](CLI::App*) { return true; }))
+    refuse_integers_not_in_decimal(*command);
 }
 
 }  // namespace tandem::cli

@@ -1,6 +1,7 @@
 #include "cli/serve_command.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -69,6 +70,15 @@ std::string model_folder(const std::string& model) {
     if (p == model) return preset_model_path(model).string();
   throw Error("serve: --model '" + model + "' is neither a folder, a sim: preset nor one of the " +
               "make-model presets (tiny-v3, tiny-v2-lite, bench, tiny-qwen3-moe, bench-qwen3-moe)");
+}
+
+// This process's file descriptor limit, which its gateway replicas share; nullopt when unknown or
+// unlimited.
+std::optional<size_t> descriptor_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY)
+    return std::nullopt;
+  return static_cast<size_t>(limit.rlim_cur);
 }
 
 // The access log gateway replica `replica` writes: --access-log's file, FILE.k for replica k > 0
@@ -350,17 +360,17 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   for (int i = 0; i < o.decode; ++i)
     g.decode.endpoints.push_back(
         start_engine(mode == gateway::PdMode::kAggregated ? "both" : "decode"));
-  // Gateway replicas share the port (SO_REUSEPORT) and nothing else: each follows the engines'
-  // KV events and load reports itself. Each takes its share of the engines' in-flight limit, so
-  // together they send no engine more than one gateway would (plus one per extra replica).
+  // Gateway replicas share the port (SO_REUSEPORT) and the process (its file descriptor limit)
+  // and nothing else: each follows the engines' KV events and load reports itself. Each takes its
+  // share of the engines' in-flight limits and of the connection caps, so together they send no
+  // engine more, and hold no more connections, than one gateway would (plus one per extra replica).
   std::vector<std::unique_ptr<gateway::Gateway>> gateways;
   // An admin change through the replica a connection reached applies to every replica.
   std::shared_ptr<gateway::AdminReplicas> admin_replicas;
   if (o.gateways > 1) {
     admin_replicas = std::make_shared<gateway::AdminReplicas>(static_cast<size_t>(o.gateways));
     g.reuse_port = true;
-    for (gateway::Pool* p : {&g.prefill, &g.decode})
-      p->max_in_flight = (p->max_in_flight + o.gateways - 1) / o.gateways;
+    share_among_gateway_replicas(g, o.gateways, descriptor_limit());
   }
   for (int i = 0; i < o.gateways; ++i) {
     gateway::Topology replica = g;
@@ -464,10 +474,12 @@ void add_serve_command(CLI::App& app) {
                   "gateway access log: a file (replica k > 0 of --gateways writes FILE.k), or - "
                   "for stdout");
   cmd->add_option("--gateways", o->gateways,
-                  "gateway replicas behind the one port (SO_REUSEPORT), each with its share of "
-                  "the engines' in-flight limits; an admin change through one applies to all; "
-                  "each takes --max-queue, --max-connections, --max-connections-per-address and "
-                  "--http-threads for itself")
+                  "gateway replicas behind the one port (SO_REUSEPORT), in one process: each "
+                  "takes its share of the engines' in-flight limits and of --max-connections "
+                  "and --max-connections-per-address (bounds of the whole stack, divided "
+                  "rounding up; without --max-connections, of three quarters of the file "
+                  "descriptor limit); --max-queue and --http-threads are each replica's own; "
+                  "an admin change through one applies to all")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   cmd->add_option("--priority-classes", o->priority_classes,
@@ -489,6 +501,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
   add_gateway_capacity_flags(*cmd, o->gateway_capacity);  // checked as the command line is read
+  // Its engines are child processes with HTTP servers of their own: say which one this is.
+  cmd->get_option("--http-threads")
+      ->description(
+          "the gateway's HTTP io threads (each replica's own); the engines take theirs as "
+          "--engine-arg=--http-threads --engine-arg=N");
   // Checked as the command line is read; applied only when given (see run).
   add_gateway_failure_flags(*cmd, o->gateway_failure, UpstreamTimeoutUnset::kTopologyDefaults);
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -266,8 +267,10 @@ TEST(CliFlags, GatewayRefusesAnUpstreamTimeoutBelowAMillisecondNamingTheFlag) {
 TEST(CliFlags, ServeTakesTheGatewaysCapacityFlagsAndRefusesBadValuesBeforeAnythingStarts) {
   const std::string gateway_help = run("gateway --help").output;
   const std::string serve_help = run("serve --help").output;
+  // --http-threads too, whose help serve words as its own
+  // (ServesHttpThreadsHelpSaysTheyAreTheGateways).
   for (const char* flag : {"--max-queue", "--max-connections", "--max-connections-per-address",
-                           "--max-unsent-bytes", "--max-answer-bytes", "--http-threads"}) {
+                           "--max-unsent-bytes", "--max-answer-bytes"}) {
     const std::string gateway_lines = help_of(gateway_help, flag);
     ASSERT_FALSE(gateway_lines.empty()) << flag << ": " << gateway_help;
     EXPECT_THAT(serve_help, HasSubstr(gateway_lines)) << flag;
@@ -297,6 +300,61 @@ TEST(CliFlags, GatewayRefusesBadCapacityFlagsNamingTheFlag) {
     EXPECT_THAT(r.output, HasSubstr(said)) << flags;
     EXPECT_THAT(r.output, Not(HasSubstr("--host"))) << flags;
   }
+}
+
+// `tandem engine --max-connections -1` was read as the largest size_t (CLI11's strtoull): an
+// engine without a connection cap where a typo was meant. It is the gateway's flag, one definition,
+// refused as the command line is read.
+TEST(CliFlags, EngineRefusesANegativeMaxConnectionsNamingTheFlag) {
+  // A model that is not there: a value taken would end in its error instead.
+  const Result r =
+      run("engine --model /nonexistent-mc1-model --host 127.0.0.1 --port 0 "
+          "--max-connections -1");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--max-connections: Value -1 not in range 0 to 2147483647"));
+  EXPECT_THAT(r.output, Not(HasSubstr("nonexistent-mc1-model"))) << r.output;
+  EXPECT_EQ(help_of(run("engine --help").output, "--max-connections"),
+            help_of(run("gateway --help").output, "--max-connections"));
+}
+
+// CLI11 read integers as strtoll with base 0: `--http-threads 010` ran 8 threads and
+// `--http-threads 0x10` 16. Every integer flag of every command takes decimal only, refusing
+// the rest naming the flag.
+TEST(CliFlags, IntegerFlagsTakeDecimalOnlyNamingTheFlag) {
+  // Each command with a setting it refuses once the flags are read (serve its --access-log,
+  // engine and generate their model, gateway its --host): a value taken ends in that error.
+  for (const auto& [command, flag, value] : {
+           std::tuple{"serve --model tiny-v3 --port 0 --access-log /nonexistent-mc1-dir/log",
+                      "--http-threads", "010"},
+           std::tuple{"serve --model tiny-v3 --port 0 --access-log /nonexistent-mc1-dir/log",
+                      "--gateways", "0x2"},
+           std::tuple{"serve --model tiny-v3 --port 0 --access-log /nonexistent-mc1-dir/log",
+                      "--decode", "01"},
+           std::tuple{"engine --model /nonexistent-mc1-model --port 0", "--http-threads", "0x10"},
+           std::tuple{"engine --model /nonexistent-mc1-model --port 0", "--max-connections",
+                      "0100"},
+           std::tuple{"gateway --decode 127.0.0.1:9 --host '[::1]' --port 0", "--max-queue", "010"},
+           std::tuple{"generate --model / --prompt hi", "--max-tokens", "0x10"},
+       }) {
+    const std::string line = std::string(command) + " " + flag + " " + value;
+    const Result r = run(line);
+    EXPECT_NE(r.status, 0) << line << ": " << r.output;
+    EXPECT_THAT(r.output,
+                HasSubstr(std::string(flag) +
+                          ": expected a decimal number (no leading 0 or 0x), got " + value))
+        << line;
+    EXPECT_THAT(r.output, Not(HasSubstr("nonexistent-mc1"))) << line;
+    EXPECT_THAT(r.output, Not(HasSubstr("--host"))) << line;
+  }
+}
+
+// serve's --http-threads said "HTTP io threads": they are its gateway's; its engines take theirs
+// through --engine-arg.
+TEST(CliFlags, ServesHttpThreadsHelpSaysTheyAreTheGateways) {
+  const std::string lines = help_of(run("serve --help").output, "--http-threads");
+  EXPECT_THAT(lines, HasSubstr("the gateway's HTTP io threads")) << lines;
+  EXPECT_THAT(lines, HasSubstr("--engine-arg=--http-threads")) << lines;
+  EXPECT_THAT(lines, HasSubstr("INT in [1 - 64]")) << lines;
 }
 
 // --upstream-timeout's help gave its range as [0 - 2.14748e+06] though below a millisecond is

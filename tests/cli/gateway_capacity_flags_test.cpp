@@ -3,6 +3,8 @@
 // setting), and a bad value is refused naming the flag.
 #include "cli/gateway_capacity_flags.h"
 
+#include "cli/number_checks.h"
+
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -19,7 +21,10 @@ using ::testing::HasSubstr;
 // `args` parsed by a command that took the flags as both commands do.
 class CapacityFlags {
  public:
-  CapacityFlags() { add_gateway_capacity_flags(app_, flags_); }
+  CapacityFlags() {
+    add_gateway_capacity_flags(app_, flags_);
+    refuse_integers_not_in_decimal(app_);  // as main() does for every command
+  }
   // The parse's error, or "" when it took `args`.
   std::string parse(std::vector<std::string> args) {
     std::reverse(args.begin(), args.end());  // CLI11 takes them last first
@@ -127,6 +132,100 @@ TEST(GatewayCapacityFlags, TheBoundsThemselvesAreTaken) {
   EXPECT_EQ(t.max_unsent_bytes, gateway::kMaxHeldBytesLimit);
   EXPECT_EQ(t.max_answer_bytes, 1u);
   EXPECT_EQ(t.io_threads, gateway::kMaxIoThreads);
+}
+
+// CLI11 reads an integer as C's strtoll does: "010" as octal 8, "0x10" as 16. A user writes
+// decimal; each is refused naming the flag rather than taken as another number.
+TEST(GatewayCapacityFlags, AnIntegerNotInDecimalIsRefusedNamingTheFlag) {
+  for (const auto& [flag, value] : {
+           std::pair{"--http-threads", "010"},
+           std::pair{"--http-threads", "0x10"},
+           std::pair{"--max-queue", "0X10"},
+           std::pair{"--max-connections", "01000"},
+           std::pair{"--max-connections-per-address", "+010"},
+           std::pair{"--max-connections", "00"},
+           std::pair{"--max-answer-bytes", "0100"},
+       }) {
+    CapacityFlags cli;
+    EXPECT_THAT(cli.parse({flag, value}),
+                HasSubstr(std::string(flag) +
+                          ": expected a decimal number (no leading 0 or 0x), got " + value))
+        << flag << " " << value;
+  }
+  CapacityFlags cli;
+  EXPECT_EQ(cli.parse({"--http-threads", "10", "--max-connections", "0", "--max-queue", "+7"}), "");
+  const gateway::Topology t = cli.applied(gateway::Topology{}, /*only_given=*/true);
+  EXPECT_EQ(t.io_threads, 10);
+  EXPECT_EQ(t.max_connections, 0u);
+  EXPECT_EQ(t.max_queue, 7u);
+}
+
+// `tandem serve --gateways N` runs N gateways in one process, one file descriptor limit between
+// them. Each took the whole of a connection cap (or, by default, three quarters of the limit), so
+// together they held N times the cap and ran out of descriptors (EMFILE) before any cap refused a
+// connection. The caps bound the stack: each replica takes its share.
+TEST(GatewayReplicas, EachTakesItsShareOfTheStacksConnectionCaps) {
+  gateway::Topology stack;
+  stack.max_connections = 1000;
+  stack.max_connections_per_address = 10;
+  stack.max_queue = 64;
+  stack.io_threads = 3;
+  stack.prefill.max_in_flight = 10;
+  stack.decode.max_in_flight = 256;
+  for (int replicas : {2, 3, 4, 7}) {
+    gateway::Topology replica = stack;
+    share_among_gateway_replicas(replica, replicas, size_t{4096});
+    const auto n = static_cast<size_t>(replicas);
+    // Rounded up: together at least the stack's cap, at most one more per extra replica.
+    EXPECT_GE(replica.max_connections * n, 1000u) << replicas;
+    EXPECT_LT(replica.max_connections * n, 1000u + n) << replicas;
+    EXPECT_GE(replica.max_connections_per_address * n, 10u) << replicas;
+    EXPECT_LT(replica.max_connections_per_address * n, 10u + n) << replicas;
+    EXPECT_GE(static_cast<size_t>(replica.prefill.max_in_flight) * n, 10u) << replicas;
+    EXPECT_LT(static_cast<size_t>(replica.prefill.max_in_flight) * n, 10u + n) << replicas;
+    EXPECT_GE(static_cast<size_t>(replica.decode.max_in_flight) * n, 256u) << replicas;
+    // Each replica has its own queue, fed by the connections it accepted: a bound of its own.
+    EXPECT_EQ(replica.max_queue, 64u) << replicas;
+    EXPECT_EQ(replica.io_threads, 3) << replicas;
+  }
+}
+
+// A cap smaller than the replicas is 1 each, never 0 (which would mean the default: three
+// quarters of the descriptor limit each).
+TEST(GatewayReplicas, ASmallCapIsNeverDividedToTheDefault) {
+  gateway::Topology replica;
+  replica.max_connections = 2;
+  replica.max_connections_per_address = 1;
+  share_among_gateway_replicas(replica, 4, size_t{4096});
+  EXPECT_EQ(replica.max_connections, 1u);
+  EXPECT_EQ(replica.max_connections_per_address, 1u);
+}
+
+// Without --max-connections one gateway holds three quarters of the descriptor limit (the rest
+// for its upstream connections and files): N replicas hold an equal share of those three
+// quarters, not three quarters each. No per-address cap stays none.
+TEST(GatewayReplicas, TheDefaultCapIsAnEqualShareOfThreeQuartersOfTheDescriptorLimit) {
+  for (int replicas : {2, 3, 4}) {
+    gateway::Topology replica;
+    ASSERT_EQ(replica.max_connections, 0u);
+    share_among_gateway_replicas(replica, replicas, size_t{4096});
+    EXPECT_EQ(replica.max_connections, 3072u / static_cast<size_t>(replicas)) << replicas;
+    EXPECT_EQ(replica.max_connections_per_address, 0u) << replicas;
+  }
+  // An unlimited descriptor limit: one gateway's default (2^20) shared likewise.
+  gateway::Topology replica;
+  share_among_gateway_replicas(replica, 4, std::nullopt);
+  EXPECT_EQ(replica.max_connections, (size_t{1} << 20) / 4);
+}
+
+// One gateway (serve's default) keeps its settings as given: 0 stays the server's own default.
+TEST(GatewayReplicas, OneGatewayKeepsItsSettings) {
+  gateway::Topology replica;
+  replica.max_connections_per_address = 5;
+  share_among_gateway_replicas(replica, 1, size_t{4096});
+  EXPECT_EQ(replica.max_connections, 0u);
+  EXPECT_EQ(replica.max_connections_per_address, 5u);
+  EXPECT_EQ(replica.decode.max_in_flight, gateway::Pool{}.max_in_flight);
 }
 
 }  // namespace
