@@ -127,16 +127,22 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
   }
   // A full queue gives a higher class's request the place of the newest waiting request of the
   // lowest class below it (docs/gateway.md, "Priority classes"): interactive traffic must not be
-  // refused behind batch traffic. The group is then admitted whole, as into a queue with room.
+  // refused behind batch traffic. Only a single request sheds one, and only while its client is
+  // there: a group (n > 1 or a prompt list) admitted for one place would grow the queue past its
+  // bound by the group's size at every arrival.
+  if (group.size() > 1)
+    for (const RequestPtr& r : group) r->one_of_several = true;
   bool full = waiting_.size() >= topo_.max_queue;
-  if (full && !group.empty() && shed_lower_class(group.front()->priority_class)) full = false;
+  if (full && group.size() == 1 && !group.front()->ended() &&
+      shed_lower_class(group.front()->priority_class))
+    full = false;
   bool queued = false;
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
     if (full) {
       answer_overload(r, 429,
                       "the gateway queue is full (" + std::to_string(topo_.max_queue) +
-                       " requests waiting); retry later");
+                          " requests waiting); retry later");
       continue;
     }
     active_.emplace(r.get(), r);
@@ -150,12 +156,15 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
 }
 
 bool Dispatcher::shed_lower_class(int arriving_class) {
+  // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
+  if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return false;
   // Only a request never sent to an engine gives up its place: one waiting to decode, or for a
-  // retry, holds work (and maybe KV) already done for it.
+  // retry, holds work (and maybe KV) already done for it; nor one of several choices, whose
+  // siblings may run already.
   RequestPtr shed;
   for (const RequestPtr& r : waiting_) {
-    if (r->ended() || r->stage != Stage::kFirst || r->attempt != 0) continue;
-    if (r->priority_class <= arriving_class) continue;
+    if (r->priority_class <= arriving_class || r->one_of_several) continue;
+    if (r->stage != Stage::kFirst || r->attempt != 0 || r->ended()) continue;
     // The lowest class, and within it the newest (the one that waited least).
     if (!shed || r->priority_class > shed->priority_class ||
         (r->priority_class == shed->priority_class && r->queued_at >= shed->queued_at))
@@ -165,9 +174,9 @@ bool Dispatcher::shed_lower_class(int arriving_class) {
   // As a queue timeout: it leaves the queue now, and finished() lets go of what it holds.
   remove_waiting(shed);
   answer_overload(shed, 429,
-               "the gateway queue is full (" + std::to_string(topo_.max_queue) +
-                   " requests waiting) and this request was shed for higher-priority traffic; "
-                   "retry later");
+                  "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+                      " requests waiting) and this request was shed for higher-priority traffic; "
+                      "retry later");
   return true;
 }
 

@@ -143,6 +143,9 @@ struct Request {
   Stage stage = Stage::kFirst;
   Booking booking = Booking::kOutside;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
+  // Submitted with the other choices or prompts of its client's request (n > 1, a prompt list):
+  // a full queue's shedding passes it by, since shedding one fails all (ChoiceMerger).
+  bool one_of_several = false;
   // Of those attempts, the ones that followed a decode leg whose prefill engine refused the pull
   // for now (Dispatcher::Blame::kNoEngineKvBusy): they spend none of prefill_retries, and each
   // waits longer (Topology::retry_backoff).

@@ -296,8 +296,10 @@ class Cluster {
     return client;
   }
 
-  // `count` requests submitted together, as the choices of one client request are.
-  std::vector<std::shared_ptr<FakeClient>> send_together(size_t count) {
+  // `count` requests submitted together, as the choices of one client request are (with an
+  // Authorization bearer `key` when given).
+  std::vector<std::shared_ptr<FakeClient>> send_together(size_t count,
+                                                         const std::string& key = {}) {
     std::vector<std::shared_ptr<FakeClient>> clients;
     std::vector<RequestPtr> group;
     for (size_t i = 0; i < count; ++i) {
@@ -307,6 +309,7 @@ class Cluster {
       req.method = "POST";
       req.target = req.path = "/v1/completions";
       req.body = json{{"model", "m"}, {"prompt", "hello there"}}.dump();
+      if (!key.empty()) req.headers.set("Authorization", "Bearer " + key);
       if (RequestPtr r = front_end.prepare(req, clients.back())) {
         r->reply->on_close([this, r] { dispatcher.client_gone(r); });
         group.push_back(std::move(r));
@@ -3274,6 +3277,39 @@ TEST(Dispatcher, AFullQueueShedsTheNewestWaitingRequestOfALowerClassForAHigherOn
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
   EXPECT_EQ(c.dispatcher.active(), 0u);
   EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed requests' queue timers went with them
+}
+
+// Shedding one choice of a group fails them all, the running ones too (ChoiceMerger), and a group
+// admitted for one shed place grows the queue past max_queue by its size at every arrival (a
+// review of c1125bf): choices neither shed nor are shed; a single request of a higher class still
+// sheds a single one of a lower class.
+TEST(Dispatcher, ChoicesSubmittedTogetherNeitherShedNorAreShed) {
+  Topology t = with_classes(aggregated({engine("a", 0, 1)}));
+  t.max_queue = 3;
+  Cluster c(t);
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  auto running = c.send_body(body, "k-batch");
+  auto batch_choices = c.send_together(2, "k-batch");
+  auto lone_batch = c.send_body(body, "k-batch");
+  ASSERT_EQ(c.dispatcher.waiting(), 3u);
+  auto chat_choices = c.send_together(2, "k-chat");
+  for (const auto& chat : chat_choices) {
+    EXPECT_EQ(chat->status, 429);
+    EXPECT_NE(chat->error_message.find("queue is full"), std::string::npos) << chat->error_message;
+  }
+  EXPECT_FALSE(lone_batch->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 3u);
+  auto chat = c.send_body(body, "k-chat");  // sheds the lone batch request, not a choice
+  EXPECT_EQ(lone_batch->status, 429);
+  EXPECT_NE(lone_batch->error_message.find("higher-priority"), std::string::npos);
+  auto chat2 = c.send_body(body, "k-chat");  // only choices of a lower class wait: full
+  EXPECT_EQ(chat2->status, 429);
+  EXPECT_EQ(c.dispatcher.waiting(), 3u);
+  for (int i = 0; i < 4; ++i) c.answer_all();
+  EXPECT_EQ(running->status, 200);
+  for (const auto& choice : batch_choices) EXPECT_EQ(choice->status, 200);
+  EXPECT_EQ(chat->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 TEST(Dispatcher, AnUnknownPriorityIsA400NamingTheField) {
