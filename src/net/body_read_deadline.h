@@ -16,13 +16,32 @@
 //   between reads but earns no time.
 // - in total: `most` after the body began (mod_reqtimeout's body=...-maxtimeout), so that what a
 //   connection holds while its body arrives (the body's buffer) is held for a bounded time,
-//   however much of the body was sent to earn time at the least rate.
+//   however much of the body was sent to earn time at the least rate. The server's `most` is
+//   total_body_time(): its max_body_time, or the time its max_body_bytes takes at 28 KB/s if
+//   that is longer, so that raising max_body_bytes does not refuse slow uploads of the larger
+//   bodies it now takes.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <limits>
 
 namespace tandem::net::detail {
+
+// The slowest upload rate a body of max_body_bytes is allowed for, in bytes per second: 28 KB/s,
+// a slow mobile upload (the 5-minute default of HttpServerOptions::max_body_time is 8 MiB at it).
+inline constexpr uint64_t kSlowestUploadBytesPerSecond = 28000;
+
+// The total bound a server applies: `max_body_time`, or the time its largest body
+// (`max_body_bytes`) takes at kSlowestUploadBytesPerSecond if that is longer, so that a server
+// that takes larger bodies still takes them from slow clients (50 MiB at 125 KB/s takes 400 s,
+// within 1872 s). `max_body_time` 0 (no total bound) stays 0.
+inline std::chrono::milliseconds total_body_time(std::chrono::milliseconds max_body_time,
+                                                 uint64_t max_body_bytes) {
+  if (max_body_time.count() <= 0) return max_body_time;
+  // Milliseconds, not bytes * 1000 / rate: no overflow for any max_body_bytes.
+  const uint64_t scaled_ms = max_body_bytes / (kSlowestUploadBytesPerSecond / 1000);
+  return std::max(max_body_time, std::chrono::milliseconds(static_cast<int64_t>(scaled_ms)));
+}
 
 class BodyReadDeadline {
  public:
@@ -45,20 +64,32 @@ class BodyReadDeadline {
     last_progress_ms_ = now_ms;
   }
 
-  // The loop-clock time at which the body has timed out.
-  int64_t due_ms() const {
-    int64_t due = saturating_add(last_progress_ms_, timeout_ms_);
+  enum class Bound { kBetweenReads, kLeastRate, kTotal };
+  struct Due {
+    int64_t at_ms;  // loop-clock time
+    Bound bound;    // which of the three it is, so that the answer can name it
+  };
+
+  // When the body has timed out, and by which bound: the earliest (on a tie, the first listed
+  // above: a body that stopped is told so).
+  Due due() const {
+    Due due{saturating_add(last_progress_ms_, timeout_ms_), Bound::kBetweenReads};
     if (min_bytes_per_second_ > 0) {
       const uint64_t earned_ms =
           data_received_ / min_bytes_per_second_ * 1000 +
           data_received_ % min_bytes_per_second_ * 1000 / min_bytes_per_second_;
-      due = std::min(due, saturating_add(saturating_add(started_ms_, timeout_ms_),
-                                         static_cast<int64_t>(std::min<uint64_t>(
-                                             earned_ms, std::numeric_limits<int64_t>::max()))));
+      const int64_t at = saturating_add(
+          saturating_add(started_ms_, timeout_ms_),
+          static_cast<int64_t>(std::min<uint64_t>(earned_ms, std::numeric_limits<int64_t>::max())));
+      if (at < due.at_ms) due = {at, Bound::kLeastRate};
     }
-    if (most_ms_ > 0) due = std::min(due, saturating_add(started_ms_, most_ms_));
+    if (most_ms_ > 0) {
+      const int64_t at = saturating_add(started_ms_, most_ms_);
+      if (at < due.at_ms) due = {at, Bound::kTotal};
+    }
     return due;
   }
+  int64_t due_ms() const { return due().at_ms; }
 
  private:
   static int64_t saturating_add(int64_t a, int64_t b) {

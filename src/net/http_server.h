@@ -130,8 +130,10 @@ struct HttpServerOptions {
   // mod_reqtimeout body=...-maxtimeout), else 408. The least rate alone lets a client that sent
   // all but the last bytes of an 8 MiB body hold it, and its connection, for 34 minutes, dripping
   // the rest; with this bound a connection holds a body for 5 minutes at the most. 5 minutes is
-  // what an 8 MiB body (max_body_bytes) takes at 28 KB/s, a slow mobile upload; a server that
-  // takes larger bodies from slow clients raises it. 0: no total bound.
+  // what an 8 MiB body (max_body_bytes) takes at 28 KB/s, a slow mobile upload. The bound the
+  // server applies is this or the time max_body_bytes takes at 28 KB/s, whichever is longer
+  // (total_body_time in body_read_deadline.h): a server that takes larger bodies takes them from
+  // slow clients too (50 MiB: 1872 s), with no second setting to raise. 0: no total bound.
   std::chrono::milliseconds max_body_time = std::chrono::minutes(5);
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
