@@ -215,6 +215,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     uint64_t prompt_hash = 0;
     int64_t tokens = 0;  // to send per layer
     double registered = 0;
+    int64_t prompt_tokens = 0;  // as the decode engine names them when it gives up
   };
   struct Room {
     uint64_t claim = 0;  // 0: no prefill request yet
@@ -549,8 +550,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       return;
     }
     decode->registered_[f.room] = {f.request_id, this};
-    r.decode = Registration{decode, f.request_id, f.prompt_hash,
-                            std::max<int64_t>(f.num_tokens - f.first_token, 0), now_s()};
+    r.decode = Registration{decode,        f.request_id,
+                            f.prompt_hash, std::max<int64_t>(f.num_tokens - f.first_token, 0),
+                            now_s(),       f.prompt_tokens};
     if (r.claim == 0) {
       if (r.layer_times.empty()) r.layer_times.assign(size_t(layout_.layers), -1);
       arm_room_wait(f.room);  // the prefill leg has not arrived yet
@@ -601,57 +603,91 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   // The room's wait for what comes next, as the live agent's room deadline and the decode
-  // engine's await_room bound it (kv_transfer.cpp): a decode leg alone waits for the prefill leg
-  // from its registration; a prefill leg alone waits for the decode leg from when its last layer
-  // was written (its prompt may compute for longer than the timeout: the live reaper leaves such a
-  // room be); with both legs, the decode engine waits from its registration and the prefill leg
-  // from open_room, each again from each progress of the prompt, until its first layer is written.
+  // engine's await_room bound it (kv_transfer.cpp): a prefill leg alone waits for the decode leg
+  // from when its last layer was written (its prompt may compute for longer than the timeout: the
+  // live reaper leaves such a room be); with a decode leg and no layer written yet, the decode
+  // engine waits from sending its registration, and again from each progress frame it receives,
+  // and the prefill engine's deadline runs from the registration's arrival (no prefill leg yet),
+  // else from open_room and each progress. The first to pass decides; a stalled engine (SIGSTOP)
+  // checks its deadline only when it wakes, so the awake engine's decides meanwhile.
+  struct RoomWait {
+    TimePoint when;
+    bool decode_gives_up = false;
+  };
+  std::optional<RoomWait> next_room_wait(const Room& r) const {
+    if (r.sending) return std::nullopt;
+    const double written = *std::max_element(r.layer_times.begin(), r.layer_times.end());
+    if (!r.decode) {
+      const bool all_written = *std::min_element(r.layer_times.begin(), r.layer_times.end()) >= 0;
+      if (!all_written) return std::nullopt;
+      return RoomWait{awake_from(time_at(written + config_.timeout_s)), false};
+    }
+    if (r.claim != 0 && written >= 0) return std::nullopt;  // the layers go when all are written
+    // The decode engine's wait begins as it sends its registration, and again as each progress
+    // frame reaches it: a link's latency before and after the prefill engine's times.
+    const double latency_s = net_.link_.latency_s;
+    const double decode_waits_from =
+        r.progressed < 0 ? r.decode->registered - latency_s
+                         : std::max(r.decode->registered - latency_s, r.progressed + latency_s);
+    const TimePoint decode_gives_up = r.decode->endpoint->awake_from(
+        time_at(decode_waits_from + r.decode->endpoint->config_.timeout_s));
+    const double prefill_waits_from =
+        r.claim == 0 ? r.decode->registered : std::max(r.opened, r.progressed);
+    const TimePoint prefill_gives_up = awake_from(time_at(prefill_waits_from + config_.timeout_s));
+    if (decode_gives_up <= prefill_gives_up) return RoomWait{decode_gives_up, true};
+    return RoomWait{prefill_gives_up, false};
+  }
   void arm_room_wait(uint64_t room) {
     auto it = rooms_.find(room);
     if (it == rooms_.end()) return;
     Room& r = it->second;
     net_.clock_.cancel(r.timeout);
     r.timeout = {};
-    const double written = *std::max_element(r.layer_times.begin(), r.layer_times.end());
-    const bool all_written = *std::min_element(r.layer_times.begin(), r.layer_times.end()) >= 0;
-    const auto other_leg_missed = [this, room] {
+    if (const std::optional<RoomWait> wait = next_room_wait(r))
+      r.timeout = at(wait->when, [this, room] { room_wait_passed(room); });
+  }
+  // A room's wait passed, unless a stall begun since it was armed holds its engine's check back
+  // to its wake: then it waits again.
+  void room_wait_passed(uint64_t room) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return;
+    Room& r = it->second;
+    const std::optional<RoomWait> wait = next_room_wait(r);
+    if (!wait) return;
+    if (wait->when > net_.clock_.now()) {
+      arm_room_wait(room);
+      return;
+    }
+    const std::string name = "the prefill of bootstrap_room " + std::to_string(room);
+    if (wait->decode_gives_up) {
+      decode_gave_up(room, name + " made no progress within " +
+                               seconds_text(r.decode->endpoint->config_.timeout_s) + " s (" +
+                               std::to_string(r.computed_tokens) + " of its " +
+                               std::to_string(r.decode->prompt_tokens) + " tokens computed)");
+    } else if (r.claim != 0 && r.decode) {
+      // The prefill engine's answer to the decode engine: a refusal, no engine's fault.
+      fail_room(room, name + " did not complete within " + seconds_text(config_.timeout_s) + " s");
+    } else {
       fail_room(room, "bootstrap room " + std::to_string(room) +
                           ": the other leg did not come within " +
                           std::to_string(config_.timeout_s) + " s");
-    };
-    if (r.sending) return;
-    if (r.claim == 0) {
-      r.timeout = at(r.decode->registered + config_.timeout_s, other_leg_missed);
-    } else if (!r.decode) {
-      if (all_written) r.timeout = at(written + config_.timeout_s, other_leg_missed);
-    } else if (written < 0) {
-      // The decode engine's wait begins as it sends its registration, and again as each
-      // progress frame reaches it: a link's latency before and after the prefill engine's times.
-      const double latency_s = net_.link_.latency_s;
-      const double decode_timeout_s = r.decode->endpoint->config_.timeout_s;
-      const double decode_waits_from =
-          r.progressed < 0 ? r.decode->registered - latency_s
-                           : std::max(r.decode->registered - latency_s, r.progressed + latency_s);
-      const double decode_gives_up = decode_waits_from + decode_timeout_s;
-      const double prefill_gives_up = std::max(r.opened, r.progressed) + config_.timeout_s;
-      const std::string name = "the prefill of bootstrap_room " + std::to_string(room);
-      if (decode_gives_up <= prefill_gives_up)
-        r.timeout = at(decode_gives_up, [this, room, name, decode_timeout_s,
-                                         computed = r.computed_tokens, tokens = r.prompt_tokens] {
-          // The decode engine gives up and closes its connection: the prefill engine's fault.
-          fail_room(room,
-                    name + " made no progress within " + seconds_text(decode_timeout_s) + " s (" +
-                        std::to_string(computed) + " of its " + std::to_string(tokens) +
-                        " tokens computed)",
-                    false, true);
-        });
-      else
-        r.timeout = at(prefill_gives_up, [this, room, name] {
-          // The prefill engine's answer to the decode engine: a refusal, no engine's fault.
-          fail_room(room,
-                    name + " did not complete within " + seconds_text(config_.timeout_s) + " s");
-        });
     }
+  }
+  // The decode engine's await_room gave up, the prefill engine's fault: its fetch fails now, and
+  // its connection closes, which ends the prefill leg, if any, as abandoned a latency later.
+  void decode_gave_up(uint64_t room, const std::string& why) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return;
+    Room r = std::move(it->second);
+    rooms_.erase(it);
+    net_.clock_.cancel(r.timeout);
+    r.decode->endpoint->registered_.erase(room);
+    r.decode->endpoint->finish_fetch(r.decode->request_id, prefills_fault(why));
+    if (r.claim == 0 || !r.done) return;
+    const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
+                             " closed its connection (its request ended)";
+    at(now_s() + net_.link_.latency_s,
+       [this, d = std::move(r.done), gone] { to_engine([d, gone] { d(false, gone, true); }); });
   }
 
   // The room ends badly: both legs hear why (`abandoned`: the decode leg abandoned it;

@@ -243,8 +243,9 @@ TEST_F(VirtualKvLinks, APrefillLegThatComesFirstWaitsOutItsComputeAndThenTheTime
 // progress (KvTransferAgent::await_room) from when it sent its registration, and again from each
 // progress frame (a grown count of computed tokens) it receives; the prefill engine's room
 // deadline runs from open_room and each progress. The first to pass fails the room: the decode
-// engine's as the prefill engine's fault, the prefill engine's as its refusal. Timeouts 30 s, a
-// link's latency 50 us; the failure reaches the decode engine a latency after the prefill engine.
+// engine's as the prefill engine's fault (the prefill leg then ends as abandoned, a latency
+// later, as its connection closes), the prefill engine's as its refusal (which reaches the decode
+// engine a latency later). Timeouts 30 s, a link's latency 50 us.
 TEST_F(VirtualKvLinks, ARoomWithBothLegsWaitsForItsPromptsProgressWithinTheTimeout) {
   // Room 7: no progress. Room 8: progress every 25 s. Room 9: its count does not grow at 45 s.
   // Room 10: the prefill leg comes 5 s before the decode leg and makes no progress.
@@ -295,9 +296,12 @@ TEST_F(VirtualKvLinks, ARoomWithBothLegsWaitsForItsPromptsProgressWithinTheTimeo
   EXPECT_EQ(fetches[7].result->error,
             "the prefill of bootstrap_room 7 made no progress within 30 s (0 of its 8 tokens "
             "computed)");
-  EXPECT_EQ(rooms[7].error, fetches[7].result->error);
-  EXPECT_NEAR(rooms[7].at_s, 30, 1e-6);
-  EXPECT_NEAR(fetches[7].at_s, 30.00005, 1e-6);
+  EXPECT_NEAR(fetches[7].at_s, 30, 1e-6);
+  // Its connection closes: the prefill leg ends as abandoned a latency later.
+  EXPECT_TRUE(rooms[7].abandoned);
+  EXPECT_EQ(rooms[7].error,
+            "the decode engine of bootstrap_room 7 closed its connection (its request ended)");
+  EXPECT_NEAR(rooms[7].at_s, 30.00005, 1e-6);
 
   // Room 9: progress at 20 s; the prefill engine's deadline (20 s + 30 s) passes before the
   // decode engine's (20.00005 s + 30 s).
@@ -314,6 +318,50 @@ TEST_F(VirtualKvLinks, ARoomWithBothLegsWaitsForItsPromptsProgressWithinTheTimeo
   EXPECT_EQ(fetches[10].result->error,
             "the prefill of bootstrap_room 10 did not complete within 30 s");
   EXPECT_NEAR(rooms[10].at_s, 30, 1e-6);
+}
+
+// A prefill engine stalled past its room deadline cannot check it (SIGSTOP): the decode engine,
+// awake, gives up first, at the timeout from its registration, as the prefill engine's fault, and
+// the prefill leg ends as abandoned a latency later. Room 7 opened at 0 s, its decode leg sent at
+// 5 s, the prefill engine stalled from 10 s to 50 s: its deadline (30 s) would pass at its wake.
+TEST_F(VirtualKvLinks, AStalledPrefillsRoomDeadlineWaitsForItsWakeAndTheDecodeGivesUpFirst) {
+  RoomEnd room;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(room));
+  ASSERT_NE(claim, 0u);
+  run_until(5);
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(10);
+  net_.stall("prefill", time_at(start_s_ + 50));
+  run_until(100);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_TRUE(fetched.result->prefill_fault);
+  EXPECT_EQ(fetched.result->error,
+            "the prefill of bootstrap_room 7 made no progress within 30 s (0 of its 8 tokens "
+            "computed)");
+  EXPECT_NEAR(fetched.at_s, 35, 1e-6);
+  EXPECT_EQ(room.ok, std::optional<bool>(false));
+  EXPECT_TRUE(room.abandoned);
+  EXPECT_EQ(room.error,
+            "the decode engine of bootstrap_room 7 closed its connection (its request ended)");
+  EXPECT_NEAR(room.at_s, 35.00005, 1e-6);
+}
+
+// A decode leg whose prefill leg never comes: live, the decode engine's await_room began a
+// latency before the prefill engine took the registration, so it gives up first, at the timeout
+// from sending it, as the prefill engine's fault.
+TEST_F(VirtualKvLinks, ADecodeLegAloneGivesUpAtTheTimeoutAsThePrefillsFault) {
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(100);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_TRUE(fetched.result->prefill_fault);
+  EXPECT_EQ(fetched.result->error,
+            "the prefill of bootstrap_room 7 made no progress within 30 s (0 of its 8 tokens "
+            "computed)");
+  EXPECT_NEAR(fetched.at_s, 30, 1e-6);
 }
 
 // A decode engine that stalls after registering its room, before the room's layers are written,
