@@ -132,6 +132,30 @@ class RawConnection {
   bool eof_ = false;
 };
 
+// What a client uploading `piece` every `every` saw: it sends until the server answers (the end of
+// an answer's head arrived), a send fails (the server answered and closed), or `count` pieces
+// went; `raw` is all the server sent, read to its close.
+struct PacedUpload {
+  int sent = 0;
+  std::string raw;
+};
+PacedUpload upload_paced_until_answered(RawConnection& c, const std::string& piece, int count,
+                                        std::chrono::milliseconds every) {
+  PacedUpload out;
+  char buf[4096];
+  while (out.sent < count && out.raw.find("\r\n\r\n") == std::string::npos) {
+    std::this_thread::sleep_for(every);
+    if (::send(c.fd(), piece.data(), piece.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(piece.size()))
+      break;
+    ++out.sent;
+    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;)
+      out.raw.append(buf, n);
+  }
+  out.raw += c.read_all();
+  return out;
+}
+
 // The server's end of `client` (the server runs in this process): what a test uses to give the
 // server's socket the small or full send buffer of a slow network path, which loopback never has.
 // Waits until the server accepted the connection; -1 if it never does.
@@ -1566,14 +1590,7 @@ TEST(HttpServer, ABodyDrippedBelowTheLeastRateIsAnswered408) {
   c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n");
   // A byte per 20 ms, well within the read timeout, until the server answers: 200 ms plus a
   // millisecond per byte is spent after about ten bytes. 500 bytes would take 10 s.
-  std::string raw;
-  char buf[4096];
-  for (int i = 0; i < 500 && raw.find("\r\n\r\n") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(20ms);
-    if (::send(c.fd(), "b", 1, MSG_NOSIGNAL) != 1) break;
-    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
-  }
-  raw += c.read_all();
+  const std::string raw = upload_paced_until_answered(c, "b", 500, 20ms).raw;
   EXPECT_EQ(status_of(raw), 408) << raw;
   expect_openai_error(body_of(raw), "invalid_request_error");
   EXPECT_EQ(calls.load(), 0);
@@ -1596,21 +1613,9 @@ TEST(HttpServer, AChunkedBodyWhoseFramingOutweighsItsDataIsAnswered408) {
   // after about twenty chunks; counting the framing, each chunk would earn a second.
   const std::string chunk = "1;" + std::string(1000, 'e') + "\r\nb\r\n";
   const int chunks = 50;  // 5 s
-  int sent = 0;
-  std::string raw;
-  char buf[4096];
-  while (sent < chunks && raw.find("\r\n\r\n") == std::string::npos) {
-    std::this_thread::sleep_for(100ms);
-    if (::send(c.fd(), chunk.data(), chunk.size(), MSG_NOSIGNAL) !=
-        static_cast<ssize_t>(chunk.size())) {
-      break;  // the server answered and closed
-    }
-    ++sent;
-    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
-  }
+  const auto [sent, raw] = upload_paced_until_answered(c, chunk, chunks, 100ms);
   // Answered while the client was still sending, not only once it stopped (a stop is 408 too).
   EXPECT_LT(sent, chunks) << "still open after " << chunks << " chunks";
-  raw += c.read_all();
   EXPECT_EQ(status_of(raw), 408) << raw;
   expect_openai_error(body_of(raw), "invalid_request_error");
   // The answer names the bound that fired, and only it.
@@ -1638,20 +1643,8 @@ TEST(HttpServer, ABodyStillArrivingAtMaxBodyTimeIsAnswered408) {
   // 100 bytes per 50 ms, until the server answers: 80 pieces would take 4 s.
   const std::string piece(100, 'b');
   const int pieces = 80;
-  int sent = 0;
-  std::string raw;
-  char buf[4096];
-  while (sent < pieces && raw.find("\r\n\r\n") == std::string::npos) {
-    std::this_thread::sleep_for(50ms);
-    if (::send(c.fd(), piece.data(), piece.size(), MSG_NOSIGNAL) !=
-        static_cast<ssize_t>(piece.size())) {
-      break;  // the server answered and closed
-    }
-    ++sent;
-    for (ssize_t n; (n = ::recv(c.fd(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) raw.append(buf, n);
-  }
+  const auto [sent, raw] = upload_paced_until_answered(c, piece, pieces, 50ms);
   EXPECT_LT(sent, pieces) << "still open after " << pieces << " pieces";
-  raw += c.read_all();
   EXPECT_EQ(status_of(raw), 408) << raw;
   expect_openai_error(body_of(raw), "invalid_request_error");
   // The answer names the bound that fired, and only it.
