@@ -248,6 +248,14 @@ Topology disaggregated(PdMode mode, std::vector<Endpoint> prefill, std::vector<E
   return t;
 }
 
+// Sequential P/D with one prefill engine `p` that is a Tandem engine (it holds the prompt's KV for
+// its decode leg and takes releases) and one decode engine `d`.
+Topology tandem_sequential_pair() {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  return t;
+}
+
 std::string completion_answer(const std::string& text) {
   return json{{"id", "cmpl-1"},
               {"object", "text_completion"},
@@ -2004,8 +2012,7 @@ int ms_until_a_decode_leg(Cluster& c, int bound) {
 // which counted the refusal against it.
 TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBackoff) {
   for (const bool stream : {false, true}) {
-    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-    t.prefill.dialect = Dialect::kTandem;
+    Topology t = tandem_sequential_pair();
     t.health.failures_to_eject = 1;
     t.retry_backoff.first = milliseconds(40);
     Cluster c(t);
@@ -2058,8 +2065,7 @@ TEST(Dispatcher, ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBa
 // after.
 TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTheKvIsLetGo) {
   for (const bool stream : {false, true}) {
-    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-    t.prefill.dialect = Dialect::kTandem;
+    Topology t = tandem_sequential_pair();
     t.retry_backoff.first = milliseconds(10);
     t.retry_backoff.max = milliseconds(30);
     t.timeouts.decode_queue = milliseconds(100);
@@ -2109,8 +2115,7 @@ TEST(Dispatcher, BusyTransferRetriesBackOffExponentiallyUntilTheKvHoldEndsThenTh
 // at one tick, they would meet the same limit again. All ten came back 50 ms later, together.
 TEST(Dispatcher, DecodeLegsRefusedTogetherForBusyTransfersAreNotAllSentAgainAtOneTick) {
   seed_random_ids(2026);
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   t.prefill.max_in_flight = t.decode.max_in_flight = 10;
   Cluster c(t);
   std::vector<std::shared_ptr<FakeClient>> clients;
@@ -2147,8 +2152,7 @@ TEST(Dispatcher, DecodeLegsRefusedTogetherForBusyTransfersAreNotAllSentAgainAtOn
 // time, and a failure of its engine after that still has its retry from the prefill. The third
 // refusal was answered 503, 150 ms after the prefill, and two refusals left a failure no retry.
 TEST(Dispatcher, BusyTransferRefusalsSpendNoneOfTheRetriesAFailureNeeds) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
@@ -2176,8 +2180,7 @@ TEST(Dispatcher, BusyTransferRefusalsSpendNoneOfTheRetriesAFailureNeeds) {
 // a timed-out whole answer, and the engine is counted neither failed nor overloaded. The 504 was
 // answered before the refusal's code was read, and its 503 counted as the engine's overload.
 TEST(Dispatcher, ABusyRefusalThatCrossesTheDecodeLegsDeadlineIsNoFaultOfItsEngine) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   t.timeouts.first_token = milliseconds(500);
   Cluster c(t);
   auto client = c.send();
@@ -2201,8 +2204,7 @@ TEST(Dispatcher, ABusyRefusalThatCrossesTheDecodeLegsDeadlineIsNoFaultOfItsEngin
 // A client that leaves while its decode stage waits out the backoff ends there: its KV is let
 // go of, and no decode leg is sent when the wait is over.
 TEST(Dispatcher, AClientThatLeavesDuringTheBusyBackoffHasItsKvLetGo) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
@@ -2480,8 +2482,7 @@ TEST(Dispatcher, ADecodeLegThatFailsNamingNoEngineHasThePrefillEngineLetGo) {
 // refusal of a body it read, which lets go of the KV itself (GenerationApi): nothing is sent.
 TEST(Dispatcher, ADecodeLegRefusedUnreadHasThePrefillEngineLetGo) {
   for (const int status : {401, 413, 431, 400}) {
-    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-    t.prefill.dialect = Dialect::kTandem;
+    Topology t = tandem_sequential_pair();
     Cluster c(t);
     auto client = c.send();
     prefill_answers(c);
@@ -2506,8 +2507,7 @@ TEST(Dispatcher, ADecodeLegRefusedUnreadHasThePrefillEngineLetGo) {
 // --kv-transfer-timeout.)
 TEST(Dispatcher, ADecodeLegCancelledWhileConnectingHasThePrefillEngineLetGo) {
   for (const bool connected : {false, true}) {
-    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-    t.prefill.dialect = Dialect::kTandem;
+    Topology t = tandem_sequential_pair();
     Cluster c(t);
     auto client = c.send();
     prefill_answers(c);
@@ -2528,8 +2528,7 @@ TEST(Dispatcher, ADecodeLegCancelledWhileConnectingHasThePrefillEngineLetGo) {
 // leg ends. The gateway had dropped the KV's params at the request's end and sent nothing: the
 // blocks stayed held until the engine's --kv-transfer-timeout.
 TEST(Dispatcher, ADecodeLegThatEndsUnconnectedAfterItsRequestEndedHasThePrefillEngineLetGo) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
@@ -2552,8 +2551,7 @@ TEST(Dispatcher, ADecodeLegThatEndsUnconnectedAfterItsRequestEndedHasThePrefillE
 // The same leg ending after it connected may have reached its engine, which owns the KV then:
 // nothing is sent, now or later.
 TEST(Dispatcher, ADecodeLegThatEndsConnectedAfterItsRequestEndedLeavesTheKvToItsEngine) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   Cluster c(t);
   auto client = c.send();
   prefill_answers(c);
@@ -2587,8 +2585,7 @@ TEST(Dispatcher, AnAutoPrefillEngineNotYetKnownIsToldToLetGo) {
 // A prefill answer that crossed the client's leaving (the call ended with it after the cancel)
 // is of KV that no decode leg will take: it is let go of at once.
 TEST(Dispatcher, APrefillAnswerThatCrossesTheClientsLeavingIsLetGoOf) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
-  t.prefill.dialect = Dialect::kTandem;
+  Topology t = tandem_sequential_pair();
   Cluster c(t);
   auto client = c.send();
   ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
