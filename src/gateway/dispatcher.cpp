@@ -762,8 +762,14 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
   if (kv_busy && exec_.now() < r->kv_held_since + topo_.timeouts.decode_queue) {
     // Waiting for a transfer connection is no failure: it goes again for as long as the prefill
     // engine holds the KV, spending none of the retries (prefill_retries) that a failure may need
-    // later. Past that hold the client gets the engine's 503, and the KV is let go of.
-    begin_next_attempt();
+    // later. Past that hold the client gets the engine's 503, and the KV is let go of. Only the
+    // first is recorded (retried_after, the retries metric): a prefill engine busy for the whole
+    // hold sends a request again ~100 times, which would make its access-log line and the
+    // dashboard's copy large; its record's attempts still count them all.
+    if (r->busy_retries == 0)
+      begin_next_attempt();
+    else
+      ++r->attempt;
     ++r->busy_retries;
     reserve_decode(*r, r->prefill_group);
     enqueue_after_backoff(r);  // at once, it would find the transfer connections as busy
