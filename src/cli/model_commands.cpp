@@ -111,7 +111,11 @@ fs::path preset_model_folder(const std::string& preset) {
   if (fs::exists(dir / "config.json")) return dir;
   // Written aside and renamed, so an interrupted run never leaves a half model behind.
   const fs::path tmp = dir.string() + ".partial-" + std::to_string(::getpid());
-  fs::create_directories(tmp.parent_path());
+  std::error_code made;
+  fs::create_directories(tmp.parent_path(), made);
+  if (made)
+    throw Error("cannot create the folder " + tmp.parent_path().string() + " for the " + preset +
+                " model (" + made.message() + "); set XDG_CACHE_HOME to a writable folder");
   MakeModelArgs a;
   a.preset = preset;
   a.out = tmp.string();

@@ -73,11 +73,14 @@ inline CLI::Validator at_least_a_millisecond() {
 inline void refuse_integers_not_in_decimal(CLI::App& app) {
   const CLI::Validator decimal(
       [](const std::string& text) {
-        // A 0 that begins more digits (or x), after the sign strtoll takes and its spaces.
+        // A 0 that begins more digits (or x), after the sign strtoll takes and its spaces; any
+        // other text ("0.5") is left to the conversion, whose error says it is no whole number.
         size_t at = 0;
         while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at;
         if (at < text.size() && (text[at] == '+' || text[at] == '-')) ++at;
-        if (at + 1 < text.size() && text[at] == '0')
+        if (at + 1 < text.size() && text[at] == '0' &&
+            (std::isdigit(static_cast<unsigned char>(text[at + 1])) || text[at + 1] == 'x' ||
+             text[at + 1] == 'X'))
           return "expected a decimal number (no leading 0 or 0x), got " + text;
         return std::string();
       },

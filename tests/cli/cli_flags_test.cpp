@@ -348,6 +348,26 @@ TEST(CliFlags, IntegerFlagsTakeDecimalOnlyNamingTheFlag) {
   }
 }
 
+// serve checks its --engine-arg values as the engine children will read them: "010" passed the
+// check and every engine exited at its start; and a fraction is no whole number, not a leading 0
+// (a review of 21db958).
+TEST(CliFlags, ServeRefusesAnEngineArgNotInDecimalAndAFractionIsNoWholeNumber) {
+  // The preset serve writes next cannot be written (its cache would be under a file): the check
+  // must refuse first, and nothing starts either way.
+  const Result serve =
+      run("serve --model tiny-v3 --port 0 --engine-arg=--max-num-seqs --engine-arg=010",
+          "XDG_CACHE_HOME=/dev/null/mc1");
+  EXPECT_NE(serve.status, 0) << serve.output;
+  EXPECT_THAT(serve.output,
+              HasSubstr("--max-num-seqs: expected a decimal number (no leading 0 or 0x), got 010"))
+      << serve.output;
+  EXPECT_THAT(serve.output, Not(HasSubstr("/dev/null/mc1"))) << serve.output;
+  const Result fraction = run("gateway --decode 127.0.0.1:9 --port 0 --max-queue 0.5");
+  EXPECT_NE(fraction.status, 0) << fraction.output;
+  EXPECT_THAT(fraction.output, HasSubstr("--max-queue")) << fraction.output;
+  EXPECT_THAT(fraction.output, Not(HasSubstr("leading 0"))) << fraction.output;
+}
+
 // serve's --http-threads said "HTTP io threads": they are its gateway's; its engines take theirs
 // through --engine-arg.
 TEST(CliFlags, ServesHttpThreadsHelpSaysTheyAreTheGateways) {
