@@ -78,9 +78,9 @@ inline void refuse_integers_not_in_decimal(CLI::App& app) {
         size_t at = 0;
         while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at;
         if (at < text.size() && (text[at] == '+' || text[at] == '-')) ++at;
+        // (A letter: "0x10", and "0b10", which glibc 2.38's strtoll reads as binary.)
         if (at + 1 < text.size() && text[at] == '0' &&
-            (std::isdigit(static_cast<unsigned char>(text[at + 1])) || text[at + 1] == 'x' ||
-             text[at + 1] == 'X'))
+            std::isalnum(static_cast<unsigned char>(text[at + 1])))
           return "expected a decimal number (no leading 0 or 0x), got " + text;
         return std::string();
       },

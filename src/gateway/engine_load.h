@@ -83,7 +83,9 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
 // prefill, for EndpointLoad::queued_prefill_seqs: those its report says wait, which counts every
 // client's (other gateways' too) and each of a request's n sequences, plus the legs this gateway
 // launched there since the poll the report is taken to include (at most the `in_flight` legs it
-// has there). -1 without a report no older than `max_age`: the gateway cannot tell which of its
+// has there), and at least this gateway's legs there that the report does not count running
+// (handed to the engine during a long step, they are in neither its waiting nor its running).
+// -1 without a report no older than `max_age`: the gateway cannot tell which of its
 // legs the engine has started (it does not see their first tokens), and the caller counts every
 // leg in flight.
 int64_t queued_prefill_seqs(const EngineLoadState& state, const GatewayCounts& counts,

@@ -154,7 +154,8 @@ struct Request {
   // The attempt whose prefill engine's failure was counted (by its leg, or by a decode leg that
   // could not take its KV): one failure counts once, whichever leg tells of it first.
   int prefill_blamed_attempt = -1;
-  std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
+  // Why each earlier attempt failed (access log); kv_transfer_busy retries only the first time.
+  std::vector<std::string> retried_after;
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   // Sequential mode: the group whose decode room it holds while it is prefilled or waits to
   // decode (Dispatcher::reserve_decode); -1: none.
