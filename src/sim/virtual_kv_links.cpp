@@ -674,7 +674,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
   }
   // The decode engine's await_room gave up, the prefill engine's fault: its fetch fails now, and
-  // its connection closes, which ends the prefill leg, if any, as abandoned a latency later.
+  // its connection closes, which ends the prefill leg, if any, as abandoned a latency later; with
+  // none yet, it leaves the room a refusal for that leg, as the live agent's leave_refusal does
+  // (abandoned(): a leg of the prompt arriving meanwhile is ended so).
   void decode_gave_up(uint64_t room, const std::string& why) {
     auto it = rooms_.find(room);
     if (it == rooms_.end()) return;
@@ -683,9 +685,16 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     net_.clock_.cancel(r.timeout);
     r.decode->endpoint->registered_.erase(room);
     r.decode->endpoint->finish_fetch(r.decode->request_id, prefills_fault(why));
-    if (r.claim == 0 || !r.done) return;
     const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
                              " closed its connection (its request ended)";
+    if (r.claim == 0) {
+      at(now_s() + net_.link_.latency_s,
+         [this, room, hash = r.decode->prompt_hash, tokens = r.decode->prompt_tokens, gone] {
+           abandoned(room, hash, tokens, gone);
+         });
+      return;
+    }
+    if (!r.done) return;
     at(now_s() + net_.link_.latency_s,
        [this, d = std::move(r.done), gone] { to_engine([d, gone] { d(false, gone, true); }); });
   }
@@ -712,8 +721,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       to_engine([d = std::move(r.done), why, abandoned] { d(false, why, abandoned); });
   }
 
-  // Prefill side: the decode leg of `room` ended before it registered. As the live engine: the
-  // room's prefill leg for this prompt fails, or is refused if it comes within the timeout.
+  // Prefill side: the decode leg of `room` ended before it registered, or gave up before the
+  // prefill leg came. As the live engine: the room's prefill leg for this prompt fails, or is
+  // refused if it comes within the timeout.
   void abandoned(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
                  const std::string& reason) {
     auto it = rooms_.find(room);

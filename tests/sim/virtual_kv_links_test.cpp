@@ -364,6 +364,32 @@ TEST_F(VirtualKvLinks, ADecodeLegAloneGivesUpAtTheTimeoutAsThePrefillsFault) {
   EXPECT_NEAR(fetched.at_s, 30, 1e-6);
 }
 
+// The decode engine that gave up on a room closed its connection: live, the prefill engine then
+// leaves the room a refusal (KvTransferAgent::leave_refusal), so that a prefill leg of that
+// prompt arriving later is refused at once, as abandoned, with the closed connection's text,
+// instead of computing its prompt and then waiting out the timeout for a decode leg that is
+// gone. Timeouts 30 s: the decode leg gives up at 30 s, the refusal is there a latency later and
+// lasts the timeout.
+TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheDecodeGaveUpIsRefusedAtOnce) {
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(40);
+  ASSERT_TRUE(fetched.result.has_value());
+  ASSERT_FALSE(fetched.result->ok);
+
+  RoomEnd late;
+  try {
+    prefill_->open_room(7, 1234, 8, room_end(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg gave up";
+  } catch (const KvTransferError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the decode engine of bootstrap_room 7 closed its connection (its request ended)");
+    EXPECT_TRUE(e.room_abandoned);
+  }
+  run_until(100);
+  EXPECT_FALSE(late.ok.has_value());
+}
+
 // A decode engine that stalls after registering its room, before the room's layers are written,
 // holds the first frame the prefill engine sends: live, that send times out after the transfer
 // timeout (30 s) from when it began, as the prefill engine's fault, whenever the stall began.
