@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -125,24 +127,27 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
     for (const RequestPtr& r : group) answer_shutting_down(r);
     return;
   }
-  // A full queue gives a higher class's request the place of the newest waiting request of the
-  // lowest class below it (docs/gateway.md, "Priority classes"): interactive traffic must not be
-  // refused behind batch traffic. Only a single request sheds one, and only while its client is
-  // there: a group (n > 1 or a prompt list) admitted for one place would grow the queue past its
-  // bound by the group's size at every arrival.
-  if (group.size() > 1)
-    for (const RequestPtr& r : group) r->one_of_several = true;
-  bool full = waiting_.size() >= topo_.max_queue;
-  if (full && group.size() == 1 && !group.front()->ended() &&
-      shed_lower_class(group.front()->priority_class))
-    full = false;
+  if (group.size() > 1) {
+    auto together =
+        std::make_shared<std::vector<std::weak_ptr<Request>>>(group.begin(), group.end());
+    for (const RequestPtr& r : group) r->submitted_with = together;
+  }
+  // Only the requests whose client is still there need places (a group's choices share a class).
+  size_t places = 0;
+  int arriving_class = 0;
+  for (const RequestPtr& r : group)
+    if (!r->ended()) {
+      arriving_class =
+          places == 0 ? r->priority_class : std::min(arriving_class, r->priority_class);
+      ++places;
+    }
+  if (places == 0) return;
+  const std::string refused = make_room(arriving_class, places);
   bool queued = false;
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
-    if (full) {
-      answer_overload(r, 429,
-                      "the gateway queue is full (" + std::to_string(topo_.max_queue) +
-                          " requests waiting); retry later");
+    if (!refused.empty()) {
+      answer_overload(r, 429, refused);
       continue;
     }
     active_.emplace(r.get(), r);
@@ -155,29 +160,94 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
   dispatch(waiting_.back()->queued_at);
 }
 
-bool Dispatcher::shed_lower_class(int arriving_class) {
+// A full queue gives a higher class's arrival the places of lower classes' waiting requests
+// (docs/gateway.md, "Priority classes"): interactive traffic must not be refused behind batch
+// traffic, whether it asks for one choice or several.
+std::string Dispatcher::make_room(int arriving_class, size_t places) {
+  const size_t max = topo_.max_queue;
+  // Retries and decode stages rejoin the queue past its bound (they are no arrivals).
+  const size_t taken = std::min(waiting_.size(), max);
+  if (places <= max - taken) return {};
+  const std::string full =
+      places == 1
+          ? "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later"
+      : places > max ? "the gateway queue is full: this request's " + std::to_string(places) +
+                           " choices need as many places, more than its " + std::to_string(max) +
+                           " (max_queue); ask for fewer choices"
+                     : "the gateway queue is full: this request's " + std::to_string(places) +
+                           " choices need as many places and " + std::to_string(taken) +
+                           " of its " + std::to_string(max) + " are taken; retry later";
   // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
-  if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return false;
-  // Only a request never sent to an engine gives up its place: one waiting to decode, or for a
-  // retry, holds work (and maybe KV) already done for it; nor one of several choices, whose
-  // siblings may run already.
-  RequestPtr shed;
-  for (const RequestPtr& r : waiting_) {
-    if (r->priority_class <= arriving_class || r->one_of_several) continue;
-    if (r->stage != Stage::kFirst || r->attempt != 0 || r->ended()) continue;
-    // The lowest class, and within it the newest (the one that waited least).
-    if (!shed || r->priority_class > shed->priority_class ||
-        (r->priority_class == shed->priority_class && r->queued_at >= shed->queued_at))
-      shed = r;
+  if (places > max || static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size())
+    return full;
+  // Only work never sent to an engine gives up its place: a request waiting to decode, or for a
+  // retry, holds work (and maybe KV) already done for it; a group gives up all its places or none,
+  // and none while any of its choices was sent (shed, the choices under way would fail with it).
+  auto sheddable = [&](const RequestPtr& r) {
+    return r && r->priority_class > arriving_class && r->booking == Booking::kQueued &&
+           r->stage == Stage::kFirst && r->attempt == 0 && !r->ended();
+  };
+  struct Unit {
+    std::vector<RequestPtr> requests;  // a single request, or every choice of a group
+    int priority_class;
+    Clock::time_point queued_at;
+    size_t last;  // its newest request's place in the queue: the newer of two with one queued_at
+  };
+  constexpr size_t kNotSheddable = SIZE_MAX;
+  std::vector<Unit> units;
+  std::unordered_map<const void*, size_t> unit_of;  // by group (or lone request)
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    const RequestPtr& r = waiting_[i];
+    const void* key =
+        r->submitted_with ? static_cast<const void*>(r->submitted_with.get()) : r.get();
+    auto [it, fresh] = unit_of.try_emplace(key, kNotSheddable);
+    if (fresh) {
+      std::vector<RequestPtr> requests;
+      if (r->submitted_with)
+        for (const auto& weak : *r->submitted_with) requests.push_back(weak.lock());
+      else
+        requests.push_back(r);
+      if (std::all_of(requests.begin(), requests.end(), sheddable)) {
+        it->second = units.size();
+        units.push_back({std::move(requests), r->priority_class, r->queued_at, i});
+      }
+    }
+    if (it->second == kNotSheddable) continue;
+    Unit& u = units[it->second];
+    u.queued_at = std::max(u.queued_at, r->queued_at);
+    u.last = i;
   }
-  if (!shed) return false;
-  // As a queue timeout: it leaves the queue now, and finished() lets go of what it holds.
-  remove_waiting(shed);
-  answer_overload(shed, 429,
-                  "the gateway queue is full (" + std::to_string(topo_.max_queue) +
-                      " requests waiting) and this request was shed for higher-priority traffic; "
-                      "retry later");
-  return true;
+  // The lowest class first, within it the newest (the work that waited least).
+  std::sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) {
+    if (a.priority_class != b.priority_class) return a.priority_class > b.priority_class;
+    if (a.queued_at != b.queued_at) return a.queued_at > b.queued_at;
+    return a.last > b.last;
+  });
+  const size_t needed = places - (max - taken);
+  size_t freed = 0, chosen = 0;
+  while (chosen < units.size() && freed < needed) freed += units[chosen++].requests.size();
+  if (freed < needed) return full;  // all or none: shedding could not make room
+  // A unit taken early (a small one) that a larger one taken after made needless keeps its place.
+  std::vector<const Unit*> shed;
+  for (size_t i = chosen; i-- > 0;) {
+    const size_t size = units[i].requests.size();
+    if (freed - size >= needed) {
+      freed -= size;
+      continue;
+    }
+    shed.push_back(&units[i]);
+  }
+  // Out of the queue first, all of them (as a queue timeout: finished() lets go of what each
+  // holds), then answered: a group's first answer ends its other choices (ChoiceMerger), which
+  // must not still count against the bound.
+  for (const Unit* u : shed)
+    for (const RequestPtr& r : u->requests) remove_waiting(r);
+  const std::string why = "the gateway queue is full (" + std::to_string(max) +
+                          " requests waiting) and this request was shed for higher-priority "
+                          "traffic; retry later";
+  for (const Unit* u : shed)
+    for (const RequestPtr& r : u->requests) answer_overload(r, 429, why);
+  return {};
 }
 
 // Every waiting request is active too (active_ holds every request from submit to its end):

@@ -143,9 +143,10 @@ struct Request {
   Stage stage = Stage::kFirst;
   Booking booking = Booking::kOutside;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
-  // Submitted with the other choices or prompts of its client's request (n > 1, a prompt list):
-  // a full queue's shedding passes it by, since shedding one fails all (ChoiceMerger).
-  bool one_of_several = false;
+  // The requests submitted with it, itself included (Dispatcher::submit of several: the choices or
+  // prompts of one client request, n > 1 or a prompt list), or null when it came alone. A full
+  // queue sheds them whole or not at all: one shed fails the others (ChoiceMerger), running or not.
+  std::shared_ptr<const std::vector<std::weak_ptr<Request>>> submitted_with;
   // Of those attempts, the ones that followed a decode leg whose prefill engine refused the pull
   // for now (Dispatcher::Blame::kNoEngineKvBusy): they spend none of prefill_retries, and each
   // waits longer (Topology::retry_backoff).

@@ -19,6 +19,7 @@
 #include "api/load_report.h"
 #include "api/model_list.h"
 #include "gateway/admin_api.h"
+#include "gateway/choice_fan_out.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -148,6 +149,7 @@ class FakeClient final : public ClientReply {
  public:
   bool respond(int s, std::string b, std::string) override {
     if (complete_) return false;
+    ++answers;
     status = s;
     body = std::move(b);
     finish();
@@ -156,6 +158,7 @@ class FakeClient final : public ClientReply {
   bool send_error(int s, std::string_view message, std::string_view type,
                   std::string_view code) override {
     if (complete_) return false;
+    ++answers;
     status = s;
     error_message = std::string(message);
     error_type = std::string(type);
@@ -165,6 +168,7 @@ class FakeClient final : public ClientReply {
   }
   bool respond_with_headers(net::HttpResponse r) override {
     if (complete_) return false;
+    ++answers;
     status = r.status;
     body = r.body;
     retry_after = r.headers.get("Retry-After");
@@ -203,6 +207,7 @@ class FakeClient final : public ClientReply {
   int status = 0;
   std::string body, streamed, error_message, error_type, error_code;
   std::string retry_after;  // the Retry-After header of an answer that has one
+  int answers = 0;          // whole answers it got (a stream is none)
   bool streaming = false, aborted = false;
   bool complete() const { return complete_; }
 
@@ -326,6 +331,38 @@ class Cluster {
     clock.post_batched([this, group] { dispatcher.submit(group); });
     clock.run_ready();
     return clients;
+  }
+
+  // One client request for `count` choices as the P/D modes serve it (FrontEnd::receive_choices):
+  // a request per choice, each answering through one ChoiceMerger to the one client, submitted
+  // together; a choice let go because another failed ends with that failure.
+  std::shared_ptr<FakeClient> send_choices(size_t count, const std::string& key = {}) {
+    auto client = std::make_shared<FakeClient>();
+    clients_.push_back(client);
+    const auto merger = ChoiceMerger::create(client, count, count);
+    std::vector<RequestPtr> group;
+    for (size_t i = 0; i < count; ++i) {
+      net::HttpRequest req;
+      req.method = "POST";
+      req.target = req.path = "/v1/completions";
+      req.body = json{{"model", "m"}, {"prompt", "hello there"}}.dump();
+      if (!key.empty()) req.headers.set("Authorization", "Bearer " + key);
+      if (RequestPtr r = front_end.prepare(req, merger->reply(i))) group.push_back(std::move(r));
+    }
+    for (const RequestPtr& r : group)
+      r->reply->on_close([this, weak = std::weak_ptr<Request>(r),
+                          weak_merger = std::weak_ptr<ChoiceMerger>(merger)] {
+        const RequestPtr r = weak.lock();
+        if (!r) return;
+        const auto m = weak_merger.lock();
+        if (const auto failure = m ? m->failure() : std::nullopt)
+          dispatcher.end_request(r, {failure->status, "another choice failed"});
+        else
+          dispatcher.client_gone(r);
+      });
+    clock.post_batched([this, group] { dispatcher.submit(group); });
+    clock.run_ready();
+    return client;
   }
 
   // A client sends `body` (with an Authorization bearer `key` when given) to /v1/completions.
@@ -1032,19 +1069,24 @@ TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
   EXPECT_EQ(c.engines.open().size(), 1u);
 }
 
-TEST(Dispatcher, RequestsSubmittedTogetherAllJoinAQueueWithRoomForOneMore) {
+// Requests submitted together join the queue only where it has room for all of them: admitted
+// past max_queue, a group of n > 1 grew the queue beyond its bound by n at every arrival.
+TEST(Dispatcher, RequestsSubmittedTogetherJoinOnlyAQueueWithRoomForAllOfThem) {
   Topology t = aggregated({engine("a", 0, 1)});
-  t.max_queue = 2;
+  t.max_queue = 3;
   Cluster c(t);
   auto first = c.send();
-  c.send();  // waits
-  const auto together = c.send_together(3);
+  auto second = c.send();  // waits
+  for (const auto& client : c.send_together(3)) EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  const auto together = c.send_together(2);
   for (const auto& client : together) EXPECT_EQ(client->status, 0);  // no answer yet
-  EXPECT_EQ(c.dispatcher.waiting(), 4u);  // past max_queue: the group is admitted whole
-  auto refused = c.send();                // the queue is full now for anyone else
+  EXPECT_EQ(c.dispatcher.waiting(), 3u);
+  auto refused = c.send();  // the queue is full now
   EXPECT_EQ(refused->status, 429);
-  for (int i = 0; i < 5; ++i) c.answer_all();  // one at a time through the one slot
+  for (int i = 0; i < 4; ++i) c.answer_all();  // one at a time through the one slot
   EXPECT_EQ(first->status, 200);
+  EXPECT_EQ(second->status, 200);
   for (const auto& client : together) EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
 }
@@ -3283,36 +3325,88 @@ TEST(Dispatcher, AFullQueueShedsTheNewestWaitingRequestOfALowerClassForAHigherOn
   EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed requests' queue timers went with them
 }
 
-// Shedding one choice of a group fails them all, the running ones too (ChoiceMerger), and a group
-// admitted for one shed place grows the queue past max_queue by its size at every arrival (a
-// review of c1125bf): choices neither shed nor are shed; a single request of a higher class still
-// sheds a single one of a lower class.
-TEST(Dispatcher, ChoicesSubmittedTogetherNeitherShedNorAreShed) {
+// A group (n > 1, a prompt list: one request per choice, ChoiceMerger) is shed whole or not at
+// all: a higher class's arrival sheds every choice of a lower-class group none of whose choices was
+// sent to an engine, its client gets one 429, and the queue stays within max_queue. Groups neither
+// shed nor were shed (f9f8106): a queue full of batch groups refused every interactive request.
+TEST(Dispatcher, AHigherClassRequestShedsAWholeWaitingGroupOfALowerClass) {
   Topology t = with_classes(aggregated({engine("a", 0, 1)}));
   t.max_queue = 3;
   Cluster c(t);
   const json body = {{"model", "m"}, {"prompt", "hi"}};
   auto running = c.send_body(body, "k-batch");
-  auto batch_choices = c.send_together(2, "k-batch");
-  auto lone_batch = c.send_body(body, "k-batch");
+  auto group = c.send_choices(3, "k-batch");
   ASSERT_EQ(c.dispatcher.waiting(), 3u);
-  auto chat_choices = c.send_together(2, "k-chat");
-  for (const auto& chat : chat_choices) {
-    EXPECT_EQ(chat->status, 429);
-    EXPECT_NE(chat->error_message.find("queue is full"), std::string::npos) << chat->error_message;
-  }
-  EXPECT_FALSE(lone_batch->complete());
-  EXPECT_EQ(c.dispatcher.waiting(), 3u);
-  auto chat = c.send_body(body, "k-chat");  // sheds the lone batch request, not a choice
-  EXPECT_EQ(lone_batch->status, 429);
-  EXPECT_NE(lone_batch->error_message.find("higher-priority"), std::string::npos);
-  auto chat2 = c.send_body(body, "k-chat");  // only choices of a lower class wait: full
+  ASSERT_EQ(c.dispatcher.active(), 4u);
+  auto chat = c.send_body(body, "k-chat");
+  EXPECT_EQ(group->status, 429);
+  EXPECT_EQ(group->answers, 1);
+  EXPECT_NE(group->body.find("higher-priority"), std::string::npos) << group->body;
+  EXPECT_FALSE(chat->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);  // the three choices left, the arrival joined
+  EXPECT_EQ(c.dispatcher.active(), 2u);
+  for (int i = 0; i < 2; ++i) c.answer_all();
+  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(chat->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+  EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed choices' queue timers went with them
+}
+
+// A group one of whose choices was sent to an engine is not shed (its client would lose work under
+// way): a single lower-class request is shed instead, and without one the arrival gets 429.
+TEST(Dispatcher, AGroupWithAChoiceAlreadySentIsNotShed) {
+  Topology t = with_classes(aggregated({engine("a", 0, 1)}));
+  t.max_queue = 3;
+  Cluster c(t);
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  auto group = c.send_choices(3, "k-batch");  // choice 0 runs on the engine, 1 and 2 wait
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
+  ASSERT_EQ(c.dispatcher.waiting(), 2u);
+  auto batch = c.send_body(body, "k-batch");
+  ASSERT_EQ(c.dispatcher.waiting(), 3u);
+  auto chat = c.send_body(body, "k-chat");  // sheds the lone batch request, not the group
+  EXPECT_EQ(batch->status, 429);
+  EXPECT_FALSE(chat->complete());
+  auto chat2 = c.send_body(body, "k-chat");
   EXPECT_EQ(chat2->status, 429);
+  EXPECT_NE(chat2->error_message.find("queue is full"), std::string::npos) << chat2->error_message;
+  EXPECT_FALSE(group->complete());
   EXPECT_EQ(c.dispatcher.waiting(), 3u);
   for (int i = 0; i < 4; ++i) c.answer_all();
-  EXPECT_EQ(running->status, 200);
-  for (const auto& choice : batch_choices) EXPECT_EQ(choice->status, 200);
+  EXPECT_EQ(group->status, 200);
+  EXPECT_EQ(json::parse(group->body)["choices"].size(), 3u);
   EXPECT_EQ(chat->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A higher-class group needing more places than shedding every eligible lower-class request would
+// free sheds nothing and is refused whole (all or none); one that shedding makes room for is
+// admitted. The queue never holds more than max_queue after an arrival.
+TEST(Dispatcher, AGroupThatSheddingCannotMakeRoomForShedsNothing) {
+  Topology t = with_classes(aggregated({engine("a", 0, 1)}));
+  t.max_queue = 4;
+  Cluster c(t);
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  auto running = c.send_body(body, "k-batch");
+  auto chat1 = c.send_body(body, "k-chat");
+  auto chat2 = c.send_body(body, "k-chat");
+  auto batch1 = c.send_body(body, "k-batch");
+  auto batch2 = c.send_body(body, "k-batch");
+  ASSERT_EQ(c.dispatcher.waiting(), 4u);
+  auto four = c.send_choices(4, "k-chat");  // needs 4 places, 2 could be shed
+  EXPECT_EQ(four->status, 429);
+  EXPECT_EQ(four->answers, 1);
+  EXPECT_NE(four->body.find("queue is full"), std::string::npos) << four->body;
+  EXPECT_FALSE(batch1->complete());
+  EXPECT_FALSE(batch2->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 4u);
+  auto two = c.send_choices(2, "k-chat");  // 2 places: both batch requests are shed
+  EXPECT_EQ(batch1->status, 429);
+  EXPECT_EQ(batch2->status, 429);
+  EXPECT_FALSE(two->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 4u);
+  for (int i = 0; i < 5; ++i) c.answer_all();
+  for (const auto& client : {running, chat1, chat2, two}) EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
