@@ -47,13 +47,18 @@ constexpr int64_t kMaxWorkers = kMaxConnections + 128;
 // counted; the prefill engine frees what nobody releases when it expires anyway.
 constexpr int64_t kMaxReleases = 16;
 constexpr size_t kMaxQueuedReleases = 4096;
-// Of those, to one prefill engine (host and port): a hung one holds each of its senders for the
-// handshake timeout, and a burst to it (a gateway cancelling the legs of a prefill engine it just
-// ejected) took every sender, so that releases to healthy engines waited behind it. Its others
-// wait their turn, at most a quarter of the queue of them (past that dropped and counted).
-constexpr int64_t kMaxReleasesPerPeer = 4;
-constexpr size_t kMaxQueuedReleasesPerPeer = kMaxQueuedReleases / 4;
-static_assert(kMaxReleasesPerPeer < kMaxReleases);
+// Of those, to one host (as a release names it) and to one prefill engine on it (host and port):
+// a hung engine holds each of its senders for the handshake timeout, and a burst to it (a gateway
+// cancelling the legs of a prefill engine it just ejected) took every sender, so that releases to
+// healthy engines waited behind it. A bound per engine alone let a hung machine with four engines
+// (one per GPU) take all 16; a hung engine's host-mates keep half of their host's senders. The
+// others wait their turn, at most a quarter of the queue for one host and an eighth for one engine
+// (past that dropped and counted).
+constexpr int64_t kMaxReleasesPerHost = 4;
+constexpr int64_t kMaxReleasesPerPeer = 2;
+constexpr size_t kMaxQueuedReleasesPerHost = kMaxQueuedReleases / 4;
+constexpr size_t kMaxQueuedReleasesPerPeer = kMaxQueuedReleasesPerHost / 2;
+static_assert(kMaxReleasesPerPeer < kMaxReleasesPerHost && kMaxReleasesPerHost < kMaxReleases);
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 // How often a prefill engine serving a registered room looks whether its decode engine is still
@@ -1262,48 +1267,58 @@ void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFra
     std::lock_guard lock(mutex_);
     if (stopping_) return;
     ReleasePeer& peer = release_peers_[release.peer()];
-    if (releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer) {
+    ReleasePeer& host = release_hosts_[release.host];
+    if (releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer ||
+        host.sending >= kMaxReleasesPerHost) {
       if (queued_releases_.size() >= kMaxQueuedReleases ||
-          peer.queued >= kMaxQueuedReleasesPerPeer) {
+          peer.queued >= kMaxQueuedReleasesPerPeer || host.queued >= kMaxQueuedReleasesPerHost) {
         metrics_->releases_dropped.inc();
-        forget_idle_release_peer_locked(release.peer());
+        forget_idle_release_peer_locked(release);
         return;
       }
       ++peer.queued;
+      ++host.queued;
       queued_releases_.push_back(std::move(release));
       return;
     }
     ++releasing_;
     ++peer.sending;
+    ++host.sending;
   }
   // One sender: this message, then queued ones whose engine has a sender to spare, until none is
-  // left. A queued message always finds one: its engine has senders (at most kMaxReleasesPerPeer,
-  // which take it up as they end), or every sender is busy (the first to end takes it up).
+  // left. A queued message always finds one: its engine or its host has senders (which take it up
+  // as they end), or every sender is busy (the first to end takes it up).
   auto sender = [this, first = std::move(release)]() mutable {
     std::optional<QueuedRelease> next = std::move(first);
     while (next) {
       send_release(*next);
       std::lock_guard lock(mutex_);
       --release_peers_[next->peer()].sending;
-      forget_idle_release_peer_locked(next->peer());
+      --release_hosts_[next->host].sending;
+      forget_idle_release_peer_locked(*next);
       next = stopping_ ? std::nullopt : next_release_locked();
       if (!next) --releasing_;
     }
   };
   if (!spawn(std::move(sender))) {
     std::lock_guard lock(mutex_);
+    const QueuedRelease lost{host, port, type, {}};
     --releasing_;
-    --release_peers_[host + ":" + std::to_string(port)].sending;
-    forget_idle_release_peer_locked(host + ":" + std::to_string(port));
+    --release_peers_[lost.peer()].sending;
+    --release_hosts_[host].sending;
+    forget_idle_release_peer_locked(lost);
   }
 }
 
 std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_locked() {
   for (auto it = queued_releases_.begin(); it != queued_releases_.end(); ++it) {
     ReleasePeer& peer = release_peers_[it->peer()];
-    if (peer.sending >= kMaxReleasesPerPeer) continue;
+    ReleasePeer& host = release_hosts_[it->host];
+    if (peer.sending >= kMaxReleasesPerPeer || host.sending >= kMaxReleasesPerHost) continue;
     --peer.queued;
     ++peer.sending;
+    --host.queued;
+    ++host.sending;
     QueuedRelease next = std::move(*it);
     queued_releases_.erase(it);
     return next;
@@ -1311,10 +1326,13 @@ std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_lock
   return std::nullopt;
 }
 
-void KvTransferAgent::forget_idle_release_peer_locked(const std::string& peer) {
-  auto it = release_peers_.find(peer);
-  if (it != release_peers_.end() && it->second.sending == 0 && it->second.queued == 0)
-    release_peers_.erase(it);
+void KvTransferAgent::forget_idle_release_peer_locked(const QueuedRelease& r) {
+  const auto forget_idle = [](auto& table, const std::string& key) {
+    auto it = table.find(key);
+    if (it != table.end() && it->second.sending == 0 && it->second.queued == 0) table.erase(it);
+  };
+  forget_idle(release_peers_, r.peer());
+  forget_idle(release_hosts_, r.host);
 }
 
 void KvTransferAgent::send_release(const QueuedRelease& r) {

@@ -259,7 +259,8 @@ class KvTransferAgent final : public KvTransfers {
   // turn, up to kMaxQueuedReleases, and past that are dropped and counted (a client naming a
   // silent host in many refused requests must not tie up the transfer threads). Of those,
   // kMaxReleasesPerPeer at once go to one prefill engine and kMaxQueuedReleasesPerPeer wait for
-  // it: a hung one holds up only its own.
+  // it, and kMaxReleasesPerHost and kMaxQueuedReleasesPerHost to all those on one host (as
+  // `host` names it): a hung engine, or a hung machine of them, holds up only its own.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
@@ -303,8 +304,8 @@ class KvTransferAgent final : public KvTransfers {
   void send_release(const QueuedRelease& r);  // on a worker; failures are ignored
   // Under mutex_: the first queued message whose engine has a sender to spare, counted as sent.
   std::optional<QueuedRelease> next_release_locked();
-  // Under mutex_: forgets `peer` when nothing is sent or queued for it.
-  void forget_idle_release_peer_locked(const std::string& peer);
+  // Under mutex_: forgets the engine and the host of `r` when nothing is sent or queued for them.
+  void forget_idle_release_peer_locked(const QueuedRelease& r);
   struct FetchSlot {
     std::shared_ptr<KvConnection> conn;
     bool cancelled = false;
@@ -354,11 +355,12 @@ class KvTransferAgent final : public KvTransfers {
   int64_t releasing_ = 0;                                // tell_prefill senders running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
   std::deque<QueuedRelease> queued_releases_;            // waiting for a sender
-  struct ReleasePeer {
+  struct ReleasePeer {                                   // a prefill engine, or a host of them
     int64_t sending = 0;  // tell_prefill senders at work on its messages
     size_t queued = 0;    // of queued_releases_
   };
   std::unordered_map<std::string, ReleasePeer> release_peers_;  // by QueuedRelease::peer()
+  std::unordered_map<std::string, ReleasePeer> release_hosts_;  // by QueuedRelease::host
   std::thread accept_thread_, reap_thread_;
 };
 

@@ -1,0 +1,329 @@
+// A decode engine's releases and abandons (KvTransferAgent::release_remote, abandon_room) sent to
+// prefill engines by its bounded pool of senders, over a fake network that stands for the prefill
+// engines: hosts whose connects never complete (a hung or black-holed machine), hosts that answer
+// each message at once, and a gate that holds every connect until the test opens it, so that
+// messages queue. What the network saw (each message, in the order the prefill engines got them,
+// and the most connections at once to each engine and each host) is checked against the bounds
+// and the order the agent promises. Nothing here waits on time: waits are for events, under the
+// shared hang guard.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/transfer/kv_transfer.h"
+#include "engine/transfer/kv_transport.h"
+#include "util/bounded_wait.h"
+#include "util/error.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+namespace {
+
+using testing::kHangGuard;
+
+// The most connections the network saw at once, to each engine (host:port), each host, and in
+// all.
+struct Peaks {
+  std::map<std::string, int> by_peer, by_host;
+  int total = 0;
+};
+
+// The prefill engines of the test, all in one object: connects by the decode engine's senders
+// land here.
+class ReleaseNetwork {
+ public:
+  // Connects to these hosts never complete; the sender gives up only when its agent asks it to
+  // (its shutdown: the handshake timeout of these tests is longer than the hang guard).
+  std::set<std::string> hung_hosts;
+
+  // Connects to hosts that answer wait here until the gate opens.
+  void close_gate() {
+    std::lock_guard lock(mutex_);
+    gate_open_ = false;
+  }
+  void open_gate() {
+    {
+      std::lock_guard lock(mutex_);
+      gate_open_ = true;
+    }
+    changed_.notify_all();
+  }
+
+  // The messages each engine ("host:port") received, in order: a release's transfer id, an
+  // abandon's "room N".
+  std::map<std::string, std::vector<std::string>> received() const {
+    std::lock_guard lock(mutex_);
+    return received_;
+  }
+  Peaks peaks() const {
+    std::lock_guard lock(mutex_);
+    return peaks_;
+  }
+  // Waits until `done` holds of what the engines received; false when the hang guard ran out.
+  bool wait_until(
+      const std::function<bool(const std::map<std::string, std::vector<std::string>>&)>& done) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, kHangGuard, [&] { return done(received_); });
+  }
+
+  // Each message of an engine when it arrives: how many messages of that engine sent before it
+  // (by the order of the decode engine's calls, `sequence`) had not arrived yet. Only those of
+  // senders still on their way can be missing: at most the engine's senders but one.
+  int most_overtaken() const {
+    std::lock_guard lock(mutex_);
+    return most_overtaken_;
+  }
+  // The order in which the test asked for each engine's messages (what most_overtaken compares
+  // with).
+  void expect(const std::string& peer, const std::string& message) {
+    std::lock_guard lock(mutex_);
+    sequence_[peer].push_back(message);
+  }
+
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const KvTransport::GiveUp& give_up);
+
+ private:
+  friend class FakeConnection;
+  void arrived(const std::string& peer, const std::string& message) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& got = received_[peer];
+      got.push_back(message);
+      const auto& asked = sequence_[peer];
+      const auto at = std::find(asked.begin(), asked.end(), message);
+      int missing = 0;
+      for (auto it = asked.begin(); it != at; ++it)
+        if (std::find(got.begin(), got.end(), *it) == got.end()) ++missing;
+      most_overtaken_ = std::max(most_overtaken_, missing);
+    }
+    changed_.notify_all();
+  }
+  void connection_ended(const std::string& host, const std::string& peer) {
+    std::lock_guard lock(mutex_);
+    --open_by_peer_[peer];
+    --open_by_host_[host];
+    --open_;
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  bool gate_open_ = true;
+  std::map<std::string, std::vector<std::string>> received_, sequence_;
+  std::map<std::string, int> open_by_peer_, open_by_host_;
+  int open_ = 0;
+  Peaks peaks_;
+  int most_overtaken_ = 0;
+};
+
+// An answering prefill engine's end of one connection: it reads the message and answers done.
+class FakeConnection : public KvConnection {
+ public:
+  FakeConnection(ReleaseNetwork& network, std::string host, std::string peer)
+      : network_(network), host_(std::move(host)), peer_(std::move(peer)) {}
+  ~FakeConnection() override { network_.connection_ended(host_, peer_); }
+
+  void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
+    std::string text;
+    for (const auto& part : parts)
+      text.append(reinterpret_cast<const char*>(part.data()), part.size());
+    const auto j = nlohmann::json::parse(text);
+    network_.arrived(peer_, type == KvFrameType::kAbandon
+                                ? "room " + std::to_string(j.at("room").get<uint64_t>())
+                                : j.at("transfer_id").get<std::string>());
+  }
+  KvFrameType receive_header(uint64_t& size, size_t) override {
+    size = 0;
+    return KvFrameType::kDone;
+  }
+  void receive_payload(std::span<const std::span<std::byte>>) override {}
+  void set_timeout(std::chrono::milliseconds) override {}
+  void set_deadline(std::chrono::steady_clock::time_point) override {}
+  void shutdown() override {}
+  bool peer_gone() override { return false; }
+  std::string peer() const override { return peer_; }
+  const char* kind() const override { return "fake"; }
+
+ private:
+  ReleaseNetwork& network_;
+  std::string host_, peer_;
+};
+
+std::unique_ptr<KvConnection> ReleaseNetwork::connect(const std::string& host, uint16_t port,
+                                                      const KvTransport::GiveUp& give_up) {
+  const std::string peer = host + ":" + std::to_string(port);
+  std::unique_lock lock(mutex_);
+  peaks_.by_peer[peer] = std::max(peaks_.by_peer[peer], ++open_by_peer_[peer]);
+  peaks_.by_host[host] = std::max(peaks_.by_host[host], ++open_by_host_[host]);
+  peaks_.total = std::max(peaks_.total, ++open_);
+  const bool hung = hung_hosts.count(host) > 0;
+  // The transport's contract: give_up is asked every few tens of milliseconds while connecting.
+  while (hung || !gate_open_) {
+    lock.unlock();
+    const bool giving_up = give_up && give_up();
+    lock.lock();
+    if (giving_up) {
+      --open_by_peer_[peer];
+      --open_by_host_[host];
+      --open_;
+      throw Error("connect to " + peer + " abandoned");
+    }
+    changed_.wait_for(lock, std::chrono::milliseconds(20));
+  }
+  lock.unlock();
+  return std::make_unique<FakeConnection>(*this, host, peer);
+}
+
+class FakeTransport : public KvTransport {
+ public:
+  explicit FakeTransport(ReleaseNetwork& network) : network_(network) {}
+  std::string name() const override { return "fake"; }
+  std::unique_ptr<KvListener> listen(const std::string&, uint16_t, SharedView) override {
+    throw Error("the decode engine of these tests does not listen");
+  }
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const GiveUp& give_up) override {
+    return network_.connect(host, port, give_up);
+  }
+
+ private:
+  ReleaseNetwork& network_;
+};
+
+// A decode engine has no use for its executor's cache when it only sends releases.
+class NoCache : public Executor {
+ public:
+  NoCache() {
+    info_.model_name = "fake-model";
+    info_.kv_layout = KvLayout{"fake", 3, 4, 8};
+  }
+  const ExecutorInfo& info() const override { return info_; }
+  ExecResult execute(std::span<const ExecItem>, const LayerHook&) override {
+    throw Error("NoCache::execute: never called");
+  }
+  const std::byte* kv_bytes(int32_t, int64_t) const override {
+    throw Error("NoCache::kv_bytes: never called");
+  }
+  void write_kv(int32_t, int64_t, std::span<const std::byte>) override {
+    throw Error("NoCache::write_kv: never called");
+  }
+
+ private:
+  ExecutorInfo info_;
+};
+
+class KvReleaseSenders : public ::testing::Test {
+ protected:
+  // A decode engine whose releases go to network_; its handshake timeout (what ends a release to
+  // a host that does not answer) is past the hang guard: only its shutdown ends those.
+  std::unique_ptr<KvTransferAgent> make_decode(KvTransferConfig config = {}) {
+    config.engine_id = "decode-0";
+    config.port = -1;
+    config.handshake_timeout_s = 600;
+    return std::make_unique<KvTransferAgent>(config, executor_,
+                                             std::make_unique<FakeTransport>(network_), metrics_,
+                                             [](KvTransferAgent::Task) {});
+  }
+  void release(KvTransferAgent& agent, const std::string& host, uint16_t port,
+               const std::string& transfer_id) {
+    network_.expect(host + ":" + std::to_string(port), transfer_id);
+    agent.release_remote(host, port, "prefill", transfer_id, {1, 2});
+  }
+  double dropped() {
+    const std::string text = metrics_.render();
+    const std::string name = "tandem:kv_transfer_releases_dropped_total";
+    const auto at = text.find(name + "{");
+    if (at == std::string::npos) return -1;
+    const auto end = text.find('\n', at);
+    return std::stod(text.substr(text.rfind(' ', end) + 1, end - text.rfind(' ', end) - 1));
+  }
+
+  ReleaseNetwork network_;
+  NoCache executor_;
+  metrics::Registry metrics_;
+};
+
+// Four prefill engines on one machine that stopped answering (its kernel drops their SYNs, or a
+// stopped process's accept queues are full) each take the senders one engine may have; those
+// were all 16, and a release to another machine's engine waited behind them until their
+// handshake timeouts. A host takes at most 4 now, whatever its ports.
+TEST_F(KvReleaseSenders, FourHungEnginesOnOneHostHoldUpNoOtherHostsReleases) {
+  network_.hung_hosts = {"10.0.0.1"};
+  auto decode = make_decode();
+  for (uint16_t port = 1; port <= 4; ++port)
+    for (int i = 0; i < 8; ++i)
+      release(*decode, "10.0.0.1", port, "hung-" + std::to_string(port) + "-" + std::to_string(i));
+  release(*decode, "10.0.0.2", 7000, "healthy");
+  EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.0.2:7000") > 0; }))
+      << "the release to the healthy host waited behind the hung host's";
+  EXPECT_LE(network_.peaks().by_host["10.0.0.1"], 4);
+  decode.reset();  // the hung connects give up at the shutdown
+  EXPECT_EQ(network_.received().count("10.0.0.1:1"), 0u);
+}
+
+// Messages to nine engines on three hosts, in a random order, queued behind a closed gate: once
+// it opens each arrives exactly once, each engine's in the order they were asked for (only a
+// message still on its way on another of that engine's senders may arrive after a later one),
+// none dropped, and the senders at once stay within their bounds: 16 in all, 4 to a host, 2 to
+// an engine.
+TEST_F(KvReleaseSenders, QueuedMessagesEachGoOnceInTheirEnginesOrder) {
+  network_.close_gate();
+  auto decode = make_decode();
+  std::mt19937 random(20261207);
+  std::map<std::string, int> asked;
+  std::map<std::string, std::vector<std::string>> expected;
+  const int kMessages = 900;
+  for (int i = 0; i < kMessages; ++i) {
+    const std::string host = "10.0.1." + std::to_string(random() % 3);
+    const uint16_t port = uint16_t(7000 + random() % 3);
+    const std::string peer = host + ":" + std::to_string(port);
+    const std::string id = peer + "/" + std::to_string(asked[peer]++);
+    expected[peer].push_back(id);
+    if (i % 5 == 4) {
+      // An abandon goes the same way (the room number stands for its message).
+      const uint64_t room = uint64_t(i);
+      network_.expect(peer, "room " + std::to_string(room));
+      expected[peer].back() = "room " + std::to_string(room);
+      decode->abandon_room(host, port, room, 1, 2, "test");
+    } else {
+      release(*decode, host, port, id);
+    }
+  }
+  network_.open_gate();
+  ASSERT_TRUE(network_.wait_until([&](const auto& got) {
+    size_t n = 0;
+    for (const auto& [peer, messages] : got) n += messages.size();
+    return n >= size_t(kMessages);
+  })) << "not every queued message was sent";
+  const auto got = network_.received();
+  for (const auto& [peer, messages] : expected) {
+    auto sorted_got = got.at(peer), sorted_expected = messages;
+    std::sort(sorted_got.begin(), sorted_got.end());
+    std::sort(sorted_expected.begin(), sorted_expected.end());
+    EXPECT_EQ(sorted_got, sorted_expected) << peer << ": not each message exactly once";
+  }
+  EXPECT_LE(network_.most_overtaken(), 1);
+  EXPECT_EQ(dropped(), 0);
+  const Peaks peaks = network_.peaks();
+  EXPECT_LE(peaks.total, 16);
+  for (const auto& [host, n] : peaks.by_host) EXPECT_LE(n, 4) << host;
+  for (const auto& [peer, n] : peaks.by_peer) EXPECT_LE(n, 2) << peer;
+  decode.reset();
+  size_t n = 0;
+  for (const auto& [peer, messages] : network_.received()) n += messages.size();
+  EXPECT_EQ(n, size_t(kMessages));
+}
+
+}  // namespace
+}  // namespace tandem::engine
