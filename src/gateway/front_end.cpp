@@ -104,7 +104,7 @@ void FrontEnd::add_routes(net::HttpServer& server) {
       net::AsyncHttpRequest u;
       u.method = "POST";
       u.target = path;
-      u.body = req.body;
+      u.body = ex->take_body();
       u.headers.set("Content-Type", "application/json");
       u.connect_timeout = topo_.timeouts.connect;
       u.timeout = topo_.timeouts.prefill;  // a long chat is rendered and tokenized
@@ -118,11 +118,14 @@ void FrontEnd::add_routes(net::HttpServer& server) {
 }
 
 void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+  // Taken, not copied: the exchange lives as long as the request, which may wait in the queue
+  // for long, and a copy would hold the body (up to max_body_bytes) twice all that time.
+  std::string body = ex->take_body();
   auto reply = std::make_shared<net::ExchangeReply>(std::move(ex));
-  if (topo_.mode != PdMode::kAggregated && may_ask_several_choices(req.body) &&
-      receive_choices(req, reply))
+  if (topo_.mode != PdMode::kAggregated && may_ask_several_choices(body) &&
+      receive_choices(req, body, reply))
     return;
-  start(prepare(req, std::move(reply)));
+  start(prepare(req, std::move(body), std::move(reply)));
 }
 
 void FrontEnd::start(const RequestPtr& r) {
@@ -131,12 +134,12 @@ void FrontEnd::start(const RequestPtr& r) {
   exec_.post_batched([this, r] { dispatcher_.submit(r); });
 }
 
-bool FrontEnd::receive_choices(const net::HttpRequest& req,
+bool FrontEnd::receive_choices(const net::HttpRequest& req, const std::string& body,
                                const std::shared_ptr<ClientReply>& reply) {
   if (stopping_.load() || !api::api_key_valid(topo_.api_keys, req)) return false;
   ChoiceRequests split;
   try {
-    split = split_choices(req.path, parse_untrusted_json(req.body), req.body);
+    split = split_choices(req.path, parse_untrusted_json(body), body);
   } catch (const api::ApiError& e) {
     const RequestPtr r = new_request(req, reply);
     r->reply->respond(e.status, api::api_error_body(e), "application/json");
@@ -150,17 +153,17 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   std::string id = req.headers.get("X-Request-Id");
   // Room for the choice's "-i" within the 256 bytes a request id may have.
   if (!api::usable_request_id(id) || id.size() > 250) id = random_hex(2);
-  net::HttpRequest one = req;  // its body is replaced by each choice's
+  net::HttpRequest one = req;  // its request id is each choice's (the body: taken, empty)
   // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
   // before it end with its failure (their close callbacks run when registered).
   std::vector<RequestPtr> choices;
   // The n choices of each prompt (in a row): tokenized once.
   std::vector<SamePrompt> same_prompt(split.bodies.size() / split.repeats);
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
-    one.body = std::move(split.bodies[i]);
     one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
     SamePrompt* same = split.repeats > 1 ? &same_prompt[i / split.repeats] : nullptr;
-    if (RequestPtr r = prepare(one, merger->reply(i), same)) choices.push_back(std::move(r));
+    if (RequestPtr r = prepare(one, std::move(split.bodies[i]), merger->reply(i), same))
+      choices.push_back(std::move(r));
   }
   // A choice let go because another failed ends with that failure, not as a client that left.
   for (const RequestPtr& r : choices)
@@ -194,8 +197,8 @@ RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
   return r;
 }
 
-RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply,
-                             SamePrompt* same_prompt) {
+RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::string client_body,
+                             std::shared_ptr<ClientReply> reply, SamePrompt* same_prompt) {
   if (stopping_.load()) {
     reply->send_error(503, "the gateway is shutting down", "server_error");
     return nullptr;
@@ -220,14 +223,14 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   // The gateway sets `priority` for deadlines: a client's is dropped (found without parsing, so
   // that an aggregated gateway without a tokenizer still relays other bodies verbatim).
   const bool drop_priority =
-      dispatcher_.sets_prefill_deadlines() && req.body.find("\"priority\"") != std::string::npos;
+      dispatcher_.sets_prefill_deadlines() && client_body.find("\"priority\"") != std::string::npos;
   const bool needs_json =
       topo_.mode != PdMode::kAggregated || tokenizer_ || classes || drop_priority;
   json body;
   const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   if (needs_json) {
     try {
-      body = parse_untrusted_json(req.body);
+      body = parse_untrusted_json(client_body);
       if (!body.is_object()) throw Error("the request body must be a JSON object");
     } catch (const std::exception& e) {
       return refuse(400, std::string("invalid JSON body: ") + e.what());
@@ -257,7 +260,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   if (drop_priority) body.erase("priority");  // the dispatcher adds the policy's deadline
   // Without a tokenizer the prompt's length is estimated from the body's size (about four
   // bytes per token in English text).
-  r->prompt_tokens = static_cast<int64_t>(req.body.size() / 4);
+  r->prompt_tokens = static_cast<int64_t>(client_body.size() / 4);
   bool rewritten = false;
   if (tokenizer_) {
     try {
@@ -265,7 +268,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       if (same_prompt && same_prompt->tokenized) {
         tokenized = same_prompt->tokens;
       } else {
-        tokenized = tokenizer_->tokenize(req.path, body, endpoints_.max_model_len(), req.body);
+        tokenized = tokenizer_->tokenize(req.path, body, endpoints_.max_model_len(), client_body);
         if (same_prompt) *same_prompt = {true, tokenized};
       }
       if (auto& t = tokenized) {
@@ -302,13 +305,13 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->translator->drop_usage_chunks();
       }
       // Else verbatim: the engine parses it.
-      r->body =
-          rewritten || classes || drop_priority ? dump_in_client_order(body, req.body) : req.body;
+      r->body = rewritten || classes || drop_priority ? dump_in_client_order(body, client_body)
+                                                      : std::move(client_body);
       break;
     case PdMode::kSequential:
       api::strip_disaggregation_fields(body);
-      r->body = dump_in_client_order(body, req.body);
-      r->prefill_body = dump_in_client_order(api::prefill_leg_body(std::move(body)), req.body);
+      r->body = dump_in_client_order(body, client_body);
+      r->prefill_body = dump_in_client_order(api::prefill_leg_body(std::move(body)), client_body);
       break;
     case PdMode::kParallel:
       api::strip_disaggregation_fields(body);
@@ -316,7 +319,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       // reused from its usage: a stream has one only when asked (a client's own stream_options
       // stay as they are).
       r->prefill_asks_usage = r->stream && !body.contains("stream_options");
-      r->body = dump_in_client_order(body, req.body);
+      r->body = dump_in_client_order(body, client_body);
       break;
   }
   return r;

@@ -44,16 +44,25 @@ class FrontEnd {
     bool tokenized = false;
     std::optional<TokensIn> tokens;  // what the first choice's tokenization gave
   };
-  RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply,
-                     SamePrompt* same_prompt = nullptr);
+  // `body` is the client's body (req.body is not read): taken from the server's exchange, it is
+  // moved into the request where it is sent as it came, and freed here otherwise, so a waiting
+  // request never holds it beside the bodies of its legs.
+  RequestPtr prepare(const net::HttpRequest& req, std::string body,
+                     std::shared_ptr<ClientReply> reply, SamePrompt* same_prompt = nullptr);
+  // For callers that keep their request (the simulator, tests): prepares a copy of its body.
+  RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
+    return prepare(req, req.body, std::move(reply));
+  }
 
  private:
+  // Takes the body from `ex` (req is ex's request, its body empty from then on).
   void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
   // Submits a prepared request (null: it was answered) and cancels it if the client goes.
   void start(const RequestPtr& r);
   // P/D modes: a request for several choices, as one request per choice whose answers are
   // merged (choice_fan_out.h); false when it is not one, for prepare() to answer as any.
-  bool receive_choices(const net::HttpRequest& req, const std::shared_ptr<ClientReply>& reply);
+  bool receive_choices(const net::HttpRequest& req, const std::string& body,
+                       const std::shared_ptr<ClientReply>& reply);
   RequestPtr new_request(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) const;
   // `call` (method, target, body, timeouts) to an engine that is up, however busy
   // (Dispatcher::models_endpoint), with the client's Authorization, its answer relayed to `ex`;
