@@ -1262,77 +1262,102 @@ void KvTransferAgent::abandon_room(const std::string& host, uint16_t port, uint6
 void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFrameType type,
                                    std::string request) {
   if (!kv_peer_allowed(config_.allow, host)) return;
-  QueuedRelease release{host, port, type, std::move(request)};
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return;
-    ReleasePeer& peer = release_peers_[release.peer()];
-    ReleasePeer& host = release_hosts_[release.host];
-    if (releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer ||
-        host.sending >= kMaxReleasesPerHost) {
-      if (queued_releases_.size() >= kMaxQueuedReleases ||
-          peer.queued >= kMaxQueuedReleasesPerPeer || host.queued >= kMaxQueuedReleasesPerHost) {
-        metrics_->releases_dropped.inc();
-        forget_idle_release_peer_locked(release);
-        return;
-      }
-      ++peer.queued;
-      ++host.queued;
-      queued_releases_.push_back(std::move(release));
+    if (!queue_release_locked({host, port, type, std::move(request)})) {
+      metrics_->releases_dropped.inc();
       return;
     }
-    ++releasing_;
-    ++peer.sending;
-    ++host.sending;
   }
-  // One sender: this message, then queued ones whose engine has a sender to spare, until none is
-  // left. A queued message always finds one: its engine or its host has senders (which take it up
-  // as they end), or every sender is busy (the first to end takes it up).
-  auto sender = [this, first = std::move(release)]() mutable {
-    std::optional<QueuedRelease> next = std::move(first);
-    while (next) {
-      send_release(*next);
+  start_release_senders();
+}
+
+bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
+  ReleasePeer& peer = release_peers_[r.peer()];
+  ReleaseHost& host = release_hosts_[r.host];
+  // One that a sender takes at once is not held to the queue's bounds (it does not wait).
+  const bool waits = releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer ||
+                     host.sending >= kMaxReleasesPerHost || !peer.queued.empty();
+  if (waits &&
+      (queued_releases_ >= kMaxQueuedReleases || peer.queued.size() >= kMaxQueuedReleasesPerPeer ||
+       host.queued >= kMaxQueuedReleasesPerHost)) {
+    forget_idle_release_peer_locked(r.host, r.peer());
+    return false;
+  }
+  peer.queued.push_back(std::move(r));
+  ++host.queued;
+  ++queued_releases_;
+  return true;
+}
+
+void KvTransferAgent::start_release_senders() {
+  for (;;) {
+    std::optional<QueuedRelease> first;
+    {
       std::lock_guard lock(mutex_);
-      --release_peers_[next->peer()].sending;
-      --release_hosts_[next->host].sending;
-      forget_idle_release_peer_locked(*next);
-      next = stopping_ ? std::nullopt : next_release_locked();
-      if (!next) --releasing_;
+      if (stopping_ || releasing_ >= kMaxReleases) return;
+      first = next_release_locked();
+      if (!first) return;
+      ++releasing_;
     }
-  };
-  if (!spawn(std::move(sender))) {
+    const std::string host = first->host, peer = first->peer();
+    if (!spawn([this, first = std::move(*first)]() mutable { send_releases(std::move(first)); })) {
+      std::lock_guard lock(mutex_);
+      --releasing_;
+      --release_peers_[peer].sending;
+      --release_hosts_[host].sending;
+      forget_idle_release_peer_locked(host, peer);
+      return;
+    }
+  }
+}
+
+void KvTransferAgent::send_releases(QueuedRelease first) {
+  // A queued message always finds a sender: its engine or its host has senders (which take it up
+  // as they end), or every sender is busy (the first to end takes it up).
+  std::optional<QueuedRelease> next = std::move(first);
+  while (next) {
+    send_release(*next);
     std::lock_guard lock(mutex_);
-    const QueuedRelease lost{host, port, type, {}};
-    --releasing_;
-    --release_peers_[lost.peer()].sending;
-    --release_hosts_[host].sending;
-    forget_idle_release_peer_locked(lost);
+    --release_peers_[next->peer()].sending;
+    --release_hosts_[next->host].sending;
+    forget_idle_release_peer_locked(next->host, next->peer());
+    next = stopping_ ? std::nullopt : next_release_locked();
+    if (!next) --releasing_;
   }
 }
 
 std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_locked() {
-  for (auto it = queued_releases_.begin(); it != queued_releases_.end(); ++it) {
-    ReleasePeer& peer = release_peers_[it->peer()];
-    ReleasePeer& host = release_hosts_[it->host];
-    if (peer.sending >= kMaxReleasesPerPeer || host.sending >= kMaxReleasesPerHost) continue;
-    --peer.queued;
+  // Round the engines from the one after the last picked: each engine's queue is in order, and
+  // one with thousands of messages behind a hung peer costs a pick no more than one with none.
+  auto it = release_peers_.upper_bound(last_release_peer_);
+  for (size_t n = release_peers_.size(); n > 0; --n, ++it) {
+    if (it == release_peers_.end()) it = release_peers_.begin();
+    ReleasePeer& peer = it->second;
+    if (peer.queued.empty() || peer.sending >= kMaxReleasesPerPeer) continue;
+    ReleaseHost& host = release_hosts_[peer.queued.front().host];
+    if (host.sending >= kMaxReleasesPerHost) continue;
+    QueuedRelease next = std::move(peer.queued.front());
+    peer.queued.pop_front();
     ++peer.sending;
     --host.queued;
     ++host.sending;
-    QueuedRelease next = std::move(*it);
-    queued_releases_.erase(it);
+    --queued_releases_;
+    last_release_peer_ = it->first;
     return next;
   }
   return std::nullopt;
 }
 
-void KvTransferAgent::forget_idle_release_peer_locked(const QueuedRelease& r) {
-  const auto forget_idle = [](auto& table, const std::string& key) {
-    auto it = table.find(key);
-    if (it != table.end() && it->second.sending == 0 && it->second.queued == 0) table.erase(it);
-  };
-  forget_idle(release_peers_, r.peer());
-  forget_idle(release_hosts_, r.host);
+void KvTransferAgent::forget_idle_release_peer_locked(const std::string& host,
+                                                      const std::string& peer) {
+  if (auto it = release_peers_.find(peer);
+      it != release_peers_.end() && it->second.sending == 0 && it->second.queued.empty())
+    release_peers_.erase(it);
+  if (auto it = release_hosts_.find(host);
+      it != release_hosts_.end() && it->second.sending == 0 && it->second.queued == 0)
+    release_hosts_.erase(it);
 }
 
 void KvTransferAgent::send_release(const QueuedRelease& r) {

@@ -301,11 +301,20 @@ class KvTransferAgent final : public KvTransfers {
     std::string request;
     std::string peer() const { return host + ":" + std::to_string(port); }  // the engine told
   };
-  void send_release(const QueuedRelease& r);  // on a worker; failures are ignored
-  // Under mutex_: the first queued message whose engine has a sender to spare, counted as sent.
+  // Under mutex_: `r` waits for a sender; false when it must be dropped (too many wait).
+  bool queue_release_locked(QueuedRelease r);
+  // Starts senders for queued messages while there are senders to spare and messages they may
+  // take.
+  void start_release_senders();
+  // A sender, on a worker: `first`, then queued messages whose engine and host have a sender to
+  // spare, until none is left.
+  void send_releases(QueuedRelease first);
+  void send_release(const QueuedRelease& r);  // failures are ignored
+  // Under mutex_: the next queued message whose engine and host have a sender to spare, counted as
+  // sent: engines in turn, each one's in order; O(engines).
   std::optional<QueuedRelease> next_release_locked();
-  // Under mutex_: forgets the engine and the host of `r` when nothing is sent or queued for them.
-  void forget_idle_release_peer_locked(const QueuedRelease& r);
+  // Under mutex_: forgets the engine `peer` and `host` when nothing is sent or queued for them.
+  void forget_idle_release_peer_locked(const std::string& host, const std::string& peer);
   struct FetchSlot {
     std::shared_ptr<KvConnection> conn;
     bool cancelled = false;
@@ -354,13 +363,18 @@ class KvTransferAgent final : public KvTransfers {
   std::vector<std::shared_ptr<KvConnection>> serving_;   // open server sides
   int64_t releasing_ = 0;                                // tell_prefill senders running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
-  std::deque<QueuedRelease> queued_releases_;            // waiting for a sender
-  struct ReleasePeer {                                   // a prefill engine, or a host of them
-    int64_t sending = 0;  // tell_prefill senders at work on its messages
-    size_t queued = 0;    // of queued_releases_
+  size_t queued_releases_ = 0;                           // messages waiting for a sender
+  struct ReleasePeer {                                   // a prefill engine
+    int64_t sending = 0;                                 // senders at work on its messages
+    std::deque<QueuedRelease> queued;
   };
-  std::unordered_map<std::string, ReleasePeer> release_peers_;  // by QueuedRelease::peer()
-  std::unordered_map<std::string, ReleasePeer> release_hosts_;  // by QueuedRelease::host
+  struct ReleaseHost {
+    int64_t sending = 0;  // senders at work on messages to its engines
+    size_t queued = 0;    // its engines' messages waiting
+  };
+  std::map<std::string, ReleasePeer> release_peers_;            // by QueuedRelease::peer()
+  std::string last_release_peer_;                               // the last one picked
+  std::unordered_map<std::string, ReleaseHost> release_hosts_;  // by QueuedRelease::host
   std::thread accept_thread_, reap_thread_;
 };
 
