@@ -1,5 +1,8 @@
 #include "gateway/gateway_metrics.h"
 
+#include <cmath>
+#include <vector>
+
 namespace tandem::gateway {
 namespace {
 
@@ -8,12 +11,23 @@ metrics::LabelPairs model_label(const std::string& model_name) {
   return {{"model_name", model_name}};
 }
 
+// The phases last from microseconds (a scheduling decision, a queue that was empty) to minutes
+// (a long decode): 1-2.5-5 steps from 10 us to 100 s. vLLM's end-to-end buckets, used before,
+// start at 0.3 s and put every short phase in their first bucket.
+std::vector<double> phase_buckets() {
+  std::vector<double> b;
+  for (int exponent = -5; exponent <= 1; ++exponent)
+    for (double step : {1.0, 2.5, 5.0}) b.push_back(step * std::pow(10.0, exponent));
+  b.push_back(100);
+  return b;
+}
+
 }  // namespace
 
 GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_name)
     : phase_seconds(r.histogram_family("tandem:gateway_phase_seconds",
                                        "Seconds requests spent in each lifecycle phase.", {"phase"},
-                                       metrics::vllm_request_latency_buckets())),
+                                       phase_buckets())),
       ttft(r.histogram("vllm:time_to_first_token_seconds",
                        "Time to first token (streaming requests), seen at the gateway.",
                        metrics::vllm_ttft_buckets(), model_label(model_name))),

@@ -383,5 +383,33 @@ TEST(GatewayMetrics, VllmSeriesCarryTheServedModelsName) {
   }
 }
 
+// The phases last microseconds (a decision) to minutes (a long decode): the histogram's buckets
+// span 10 us to past 60 s, log-spaced, where vLLM's end-to-end buckets started at 0.3 s and put
+// every short phase in the first. Read back through the Prometheus oracle.
+TEST(GatewayMetrics, PhaseBucketsSpanMicrosecondsToMinutes) {
+  metrics::Registry registry;
+  GatewayMetrics metrics(registry);
+  metrics.phase_seconds.labels({"queued"}).observe(50e-6);
+  const json parsed = test::parse_prometheus(registry.render());
+  ASSERT_FALSE(parsed.is_null());
+  std::vector<double> bounds;
+  double below_100us = -1;
+  for (const auto& family : parsed["families"]) {
+    if (family["name"] != "tandem:gateway_phase_seconds") continue;
+    for (const auto& sample : family["samples"]) {
+      if (sample["name"] != "tandem:gateway_phase_seconds_bucket") continue;
+      const std::string le = sample["labels"]["le"];
+      if (le == "+Inf") continue;
+      bounds.push_back(std::stod(le));
+      if (std::stod(le) <= 1e-4) below_100us = std::max(below_100us, sample["value"].get<double>());
+    }
+  }
+  ASSERT_FALSE(bounds.empty());
+  std::sort(bounds.begin(), bounds.end());
+  EXPECT_LE(bounds.front(), 1e-5);
+  EXPECT_GE(bounds.back(), 60.0);
+  for (size_t i = 1; i < bounds.size(); ++i) EXPECT_LE(bounds[i] / bounds[i - 1], 3.0) << i;
+  EXPECT_EQ(below_100us, 1);  // the 50 us phase is told from 100 us ones
+}
 }  // namespace
 }  // namespace tandem::gateway
