@@ -75,8 +75,12 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
   for (int p = 0; p < kPhaseCount; ++p)
     if (auto s = r.times.seconds_in(static_cast<Phase>(p))) phase_histograms_[p]->observe(*s);
   if (r.queued_s >= 0) metrics_.queue_time.observe(r.queued_s);  // once, all its waits
-  if (status == 200) {
-    metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
+  // End-to-end latency is the successful requests' (docs/gateway.md). The token series are
+  // every stream's that produced tokens, whatever its end: vLLM observes TTFT as the first token
+  // comes, and a stream cut by its engine's death or left by its client (499) had its first
+  // token and its gaps all the same (dropping them hid the slow streams that were cut).
+  if (status == 200) metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
+  {
     const int64_t events = r.output_events;
     if (events > 0) {
       const double ttft = static_cast<double>(r.first_token_ns - received) * 1e-9;

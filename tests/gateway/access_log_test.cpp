@@ -383,6 +383,44 @@ TEST(GatewayMetrics, VllmSeriesCarryTheServedModelsName) {
   }
 }
 
+// A stream that produced tokens and then failed (its engine died after 66 tokens) or lost its
+// client (499) still had a first token and gaps between tokens: both are observed, as vLLM
+// observes TTFT when the first token is produced whatever the outcome. End-to-end latency stays
+// the successful requests' (docs/gateway.md), and a request without tokens observes no TTFT.
+TEST(RequestRecorder, TokensOfRequestsThatDidNotSucceedAreObserved) {
+  Topology topo;
+  metrics::Registry registry;
+  GatewayMetrics metrics(registry);
+  RequestRecorder recorder(metrics, nullptr, topo);
+  auto stream = [](Request& r, int status, int64_t events) {
+    r.times.mark(Phase::kReceived, 0);
+    r.outcome = {status, status == 200 ? "" : "it ended"};
+    r.output_events = events;
+    r.first_token_ns = 100'000'000;
+    r.last_token_ns = 100'000'000 + (events - 1) * 10'000'000;
+    r.itl.assign(static_cast<size_t>(events - 1), 0.01);
+  };
+  Request cut, left, ok;
+  stream(cut, 502, 66);
+  stream(left, 499, 2);
+  stream(ok, 200, 3);
+  Request refused;
+  refused.times.mark(Phase::kReceived, 0);
+  refused.outcome = {503, "no engine"};
+  for (Request* r : {&cut, &left, &ok, &refused}) recorder.record(*r, 1'000'000'000);
+  const std::string text = registry.render();
+  auto value = [&](const std::string& series) {
+    const size_t at = text.find("\n" + series + " ");
+    if (at == std::string::npos) return -1.0;
+    return std::stod(text.substr(at + series.size() + 2));
+  };
+  EXPECT_EQ(value("vllm:time_to_first_token_seconds_count"), 3) << text;
+  EXPECT_EQ(value("vllm:inter_token_latency_seconds_count"), 65 + 1 + 2);
+  EXPECT_EQ(value("vllm:time_per_output_token_seconds_count"), 65 + 1 + 2);
+  EXPECT_EQ(value("vllm:request_time_per_output_token_seconds_count"), 3);
+  EXPECT_EQ(value("vllm:e2e_request_latency_seconds_count"), 1);
+}
+
 // The phases last microseconds (a decision) to minutes (a long decode): the histogram's buckets
 // span 10 us to past 60 s, log-spaced, where vLLM's end-to-end buckets started at 0.3 s and put
 // every short phase in the first. Read back through the Prometheus oracle.
