@@ -7,6 +7,7 @@
 // and the order the agent promises. Nothing here waits on time: waits are for events, under the
 // shared hang guard.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -15,6 +16,8 @@
 #include <random>
 #include <set>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -323,6 +326,44 @@ TEST_F(KvReleaseSenders, QueuedMessagesEachGoOnceInTheirEnginesOrder) {
   size_t n = 0;
   for (const auto& [peer, messages] : network_.received()) n += messages.size();
   EXPECT_EQ(n, size_t(kMessages));
+}
+
+// A thread starter that fails its first start, as a process out of threads does (std::thread
+// throws std::system_error), then starts threads.
+std::function<void(std::function<void()>)> fails_once() {
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  return [failed](std::function<void()> body) {
+    if (!failed->exchange(true))
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                              "no thread for the test");
+    std::thread(std::move(body)).detach();
+  };
+}
+
+// A release whose sender could not start (no thread) stays queued: the next release's sender
+// takes it too, first, as its engine's order says. It was lost, and its KV held until the prefill
+// engine's timeout.
+TEST_F(KvReleaseSenders, AReleaseWhoseSenderCouldNotStartGoesWithTheNextOne) {
+  KvTransferConfig config;
+  config.start_thread = fails_once();
+  auto decode = make_decode(config);
+  release(*decode, "10.0.2.1", 7000, "first");
+  release(*decode, "10.0.2.1", 7000, "second");
+  EXPECT_TRUE(network_.wait_until([](const auto& got) {
+    return got.count("10.0.2.1:7000") && got.at("10.0.2.1:7000").size() == 2;
+  })) << "the release whose sender could not start was lost";
+  EXPECT_LE(network_.most_overtaken(), 1);
+  EXPECT_EQ(dropped(), 0);
+}
+
+// With no release after it, the agent tries again on its own (its reaper, about once a second).
+TEST_F(KvReleaseSenders, AReleaseWhoseSenderCouldNotStartGoesWithoutAnother) {
+  KvTransferConfig config;
+  config.start_thread = fails_once();
+  auto decode = make_decode(config);
+  release(*decode, "10.0.2.1", 7000, "only");
+  EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.2.1:7000") > 0; }))
+      << "the release whose sender could not start was lost";
 }
 
 }  // namespace

@@ -550,7 +550,10 @@ bool KvTransferAgent::spawn(std::function<void()> body) {
   }
   if (threads_ >= kMaxWorkers) return true;  // a worker takes it when one is free
   try {
-    std::thread([this] { worker(); }).detach();
+    if (config_.start_thread)
+      config_.start_thread([this] { worker(); });
+    else
+      std::thread([this] { worker(); }).detach();
     ++threads_;
     return true;
   } catch (const std::system_error&) {
@@ -732,6 +735,9 @@ void KvTransferAgent::reap_loop() {
       peers_checked = now;
       lock.unlock();
       transport_->forget_exited_peers();
+      // Messages whose sender could not start (the process was out of threads) wait for no
+      // other release, which may never come.
+      start_release_senders();
       lock.lock();
       if (stopping_) break;
     }
@@ -1293,21 +1299,27 @@ bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
 
 void KvTransferAgent::start_release_senders() {
   for (;;) {
-    std::optional<QueuedRelease> first;
+    std::shared_ptr<QueuedRelease> first;
     {
       std::lock_guard lock(mutex_);
       if (stopping_ || releasing_ >= kMaxReleases) return;
-      first = next_release_locked();
-      if (!first) return;
+      std::optional<QueuedRelease> next = next_release_locked();
+      if (!next) return;
       ++releasing_;
+      first = std::make_shared<QueuedRelease>(std::move(*next));
     }
-    const std::string host = first->host, peer = first->peer();
-    if (!spawn([this, first = std::move(*first)]() mutable { send_releases(std::move(first)); })) {
+    if (!spawn([this, first] { send_releases(std::move(*first)); })) {
+      // No thread (and no worker alive to take it): the message goes back to the front of its
+      // engine's queue, for the next release's call here, the next sender to end, or the
+      // reaper's, whichever comes first; dropped, it held the prefill engine's KV until its
+      // timeout.
       std::lock_guard lock(mutex_);
       --releasing_;
-      --release_peers_[peer].sending;
-      --release_hosts_[host].sending;
-      forget_idle_release_peer_locked(host, peer);
+      --release_peers_[first->peer()].sending;
+      --release_hosts_[first->host].sending;
+      ++release_hosts_[first->host].queued;
+      ++queued_releases_;
+      release_peers_[first->peer()].queued.push_front(std::move(*first));
       return;
     }
   }

@@ -113,6 +113,9 @@ struct KvTransferConfig {
 #else
   bool checksum = true;
 #endif
+  // Starts a thread running the given function, detached: std::thread when empty. Tests make it
+  // throw std::system_error, as a process out of threads does.
+  std::function<void(std::function<void()>)> start_thread;
 };
 
 // Whether a decode engine with this allow list may connect to `host`: an entry equal to it, or an
@@ -260,7 +263,8 @@ class KvTransferAgent final : public KvTransfers {
   // silent host in many refused requests must not tie up the transfer threads). Of those,
   // kMaxReleasesPerPeer at once go to one prefill engine and kMaxQueuedReleasesPerPeer wait for
   // it, and kMaxReleasesPerHost and kMaxQueuedReleasesPerHost to all those on one host (as
-  // `host` names it): a hung engine, or a hung machine of them, holds up only its own.
+  // `host` names it): a hung engine, or a hung machine of them, holds up only its own. One whose
+  // sender cannot start (the process is out of threads) stays queued for the next try.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
