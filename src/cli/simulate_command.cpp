@@ -39,6 +39,7 @@ struct SimulateCliOptions {
   int64_t speculative_tokens = 0;
   SimExecutorFlags sim;
   double kv_link_gb_per_s = 25, kv_link_latency_us = 50, kv_transfer_timeout = 120;
+  double kv_transfer_handshake_timeout = sim::SimulationOptions{}.kv_transfer_handshake_timeout_s;
   std::vector<std::string> sweep, kill, stall, slow_link;
 };
 
@@ -277,10 +278,10 @@ void run(const SimulateCliOptions& o) {
   so.executor.block_size = o.block_size;
   so.scheduler.max_num_seqs = o.max_num_seqs;
   so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  // The links' bounds, the block size's, the KV bytes' and the blocks' are check_options' (each
-  // sweep point's too), which names these flags.
-  if (!(o.kv_transfer_timeout > 0)) throw Error("--kv-transfer-timeout must be positive");
+  // The links' bounds, the KV transfer timeouts', the block size's, the KV bytes' and the
+  // blocks' are check_options' (each sweep point's too), which names these flags.
   so.kv_transfer_timeout_s = o.kv_transfer_timeout;
+  so.kv_transfer_handshake_timeout_s = o.kv_transfer_handshake_timeout;
   so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
   so.kv_link.latency_s = o.kv_link_latency_us * 1e-6;
   for (const auto& [flag, specs] : {std::pair{"--kill", &o.kill}, std::pair{"--stall", &o.stall},
@@ -459,8 +460,12 @@ void add_simulate_command(CLI::App& app) {
                   "a fault: ENGINE@SECONDS, e.g. decode-3@120 (the engine dies then: its streams "
                   "are cut, its connections refused); repeatable");
   cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
-                  "P/D: seconds a held prefill or a bootstrap room waits for its other leg "
-                  "(tandem engine's flag)")
+                  "P/D: seconds a held prefill or a bootstrap room waits for its other leg, and "
+                  "each transfer frame may take (tandem engine's flag; 0.001..2147483.647)")
+      ->capture_default_str();
+  cmd->add_option("--kv-transfer-handshake-timeout", o->kv_transfer_handshake_timeout,
+                  "P/D: seconds a prefill engine answers a pull within before a decode engine "
+                  "gives it up as hung (tandem engine's flag; 0.001..2147483.647)")
       ->capture_default_str();
   cmd->add_option("--stall", o->stall,
                   "a fault: ENGINE@SECONDS+DURATION, e.g. decode-3@120+30 (the engine hangs for "

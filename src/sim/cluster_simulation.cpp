@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <numeric>
 #include <optional>
@@ -224,10 +225,15 @@ void check_options(const SimulationOptions& options) {
   if (!(latency_us >= 0 && latency_us <= kMaxLinkLatencyUs))
     throw Error("--kv-link-latency-us: expected 0.." + std::to_string(int64_t(kMaxLinkLatencyUs)) +
                 " microseconds, got " + std::to_string(latency_us));
-  if (!(options.kv_transfer_timeout_s > 0 &&
-        options.kv_transfer_timeout_s <= bench::kMaxArrivalSeconds))
-    throw Error("--kv-transfer-timeout: expected seconds > 0 and at most " +
-                std::to_string(int64_t(bench::kMaxArrivalSeconds)));
+  for (const auto& [flag, seconds] :
+       {std::pair{"--kv-transfer-timeout", options.kv_transfer_timeout_s},
+        std::pair{"--kv-transfer-handshake-timeout", options.kv_transfer_handshake_timeout_s}})
+    if (!(seconds >= kMinKvTransferTimeoutS && seconds <= kMaxKvTransferTimeoutS)) {
+      char text[128];
+      std::snprintf(text, sizeof text, "%s: expected %g..%.10g seconds, got %g", flag,
+                    kMinKvTransferTimeoutS, kMaxKvTransferTimeoutS, seconds);
+      throw Error(text);
+    }
 }
 
 SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOptions& options,
@@ -289,6 +295,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
       t.advertise_host = e.host;
       t.port = prefill ? kTransferPort : -1;
       t.timeout_s = options.kv_transfer_timeout_s;
+      t.handshake_timeout_s = options.kv_transfer_handshake_timeout_s;
       eo.config.transfer = t;
     }
     eo.executor = options.executor;

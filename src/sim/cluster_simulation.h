@@ -66,6 +66,9 @@ struct SimulationOptions {
   // a bootstrap room waits for its other leg.
   KvLinkModel kv_link;
   double kv_transfer_timeout_s = 120;
+  // How long a decode engine waits for a prefill engine's answer before the transfer itself (a
+  // pull's accept, the shared-memory transport's hello), as `tandem engine` has it.
+  double kv_transfer_handshake_timeout_s = engine::KvTransferConfig{}.handshake_timeout_s;
   // Faults, on engines by name (e.g. "decode-3") at times in seconds from the first send. The
   // gateway's own failure handling (timeouts, resets, retries, health checks) does the rest.
   struct Fault {
@@ -143,13 +146,17 @@ inline constexpr int64_t kMaxNumBlocksAllEngines = 400'000'000;
 // stay countable on the virtual clock (virtual_time.h) with the slowest link and longest prompt.
 inline constexpr double kMinLinkGbPerS = 1e-4, kMaxLinkGbPerS = 1e6;  // 100 KB/s..
 inline constexpr double kMaxLinkLatencyUs = 1e9;                      // 1,000 s
+// The KV transfer timeouts, seconds, as `tandem engine`'s flags take them (cli/engine_command.cpp):
+// at least a millisecond (the transports count milliseconds) and at most int64 milliseconds'
+// bound.
+inline constexpr double kMinKvTransferTimeoutS = 0.001, kMaxKvTransferTimeoutS = 2147483.647;
 
 // Throws tandem::Error for what simulate() would refuse before running anything: engine counts
 // the mode cannot serve, an invalid topology or unknown policy, a fault on an engine the counts
 // do not make, a fault time or slowdown out of range, a slow-link fault in the aggregated mode,
 // scheduler limits below 1, an unknown latency model, a block size, KV bytes per token, block
-// count or link out of the bounds above (named by their `tandem simulate` flags). A sweep checks
-// every point with it first.
+// count, link or KV transfer timeout out of the bounds above (named by their `tandem simulate`
+// flags). A sweep checks every point with it first.
 void check_options(const SimulationOptions& options);
 
 // Runs the workload (arrival_s from the start), making each request as it is sent. `tokenizer`

@@ -1168,7 +1168,10 @@ TEST(Cli, MetricFlagsAndTheAccessLogAreCheckedBeforeTheRun) {
 TEST(Cli, SimulateBoundsItsKvFlagsNamingThem) {
   for (const char* bad :
        {"--block-size 100000", "--sim-kv-token-bytes 99999999999", "--num-kv-blocks -1",
-        "--kv-link-gb-per-s 1e-300", "--kv-link-latency-us 1e300"}) {
+        "--kv-link-gb-per-s 1e-300", "--kv-link-latency-us 1e300",
+        // As tandem engine takes them: a millisecond at least (0.0001 was taken).
+        "--kv-transfer-timeout 0.0001", "--kv-transfer-handshake-timeout 0.0001",
+        "--kv-transfer-handshake-timeout 3e6"}) {
     const auto r = run(std::string("simulate --num-prompts 2 ") + bad);
     EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
     const std::string flag(bad, std::string_view(bad).find(' '));

@@ -1023,6 +1023,22 @@ TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeout
   EXPECT_LT(run.results[0].ttft_s, 11.5);  // not prefill-0's wake (35 s)
 }
 
+// --kv-transfer-handshake-timeout bounds the pull of the test above as `tandem engine`'s flag
+// does: at 2 s the pull that began at 5.5 s fails at 7.5 s, and the request is prefilled again.
+TEST(ClusterSimulation, TheHandshakeTimeoutBoundsAPullFromAStalledPrefillEngine) {
+  auto o = pd_options(gateway::PdMode::kSequential, 2, 1, hand_model());
+  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+      std::chrono::seconds(1000);
+  o.kv_transfer_handshake_timeout_s = 2;
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 5.49},
+              {Fault::Kind::kStall, "prefill-0", 5.0, 30.0}};
+  const auto run = simulate({request(0, words(20, 1), 4)}, o, tokenizer());
+  ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+  EXPECT_EQ(run.retries, 1);
+  EXPECT_GE(run.results[0].ttft_s, 7.5);
+  EXPECT_LT(run.results[0].ttft_s, 8.5);  // not at the 5 s default's 10.5 s
+}
+
 // Two runs of one workload agree in everything they report.
 void expect_same_run(const SimulationRun& a, const SimulationRun& b) {
   ASSERT_EQ(a.results.size(), b.results.size());
@@ -1279,6 +1295,34 @@ TEST(ClusterSimulation, KvSizesAndLinksOutOfBoundsAreRefusedNamingTheFlag) {
   o.executor.kv_token_bytes = 65536;
   o.kv_link = {1e5, 1000};  // the slowest link and longest latency allowed
   EXPECT_NO_THROW(check_options(o));
+}
+
+// The KV transfer timeouts take what `tandem engine`'s flags take: seconds from a millisecond
+// (the transports' timeouts count milliseconds: less was none, or failed every frame at once) to
+// 2147483.647 (int64 milliseconds' bound), finite. 0.0001 s was taken.
+TEST(ClusterSimulation, KvTransferTimeoutsAreBoundedAsTheEnginesFlagsNamingThem) {
+  for (const bool handshake : {false, true}) {
+    const std::string flag =
+        handshake ? "--kv-transfer-handshake-timeout" : "--kv-transfer-timeout";
+    for (const double bad : {0.0, 0.0001, 0.00099, 2147483.648, 1e9, kInf, kNan, -1.0}) {
+      auto o = options(1, "deepseek-v3-h800");
+      (handshake ? o.kv_transfer_handshake_timeout_s : o.kv_transfer_timeout_s) = bad;
+      try {
+        check_options(o);
+        ADD_FAILURE() << flag << " " << bad << " accepted";
+      } catch (const Error& e) {
+        EXPECT_THAT(e.what(), ::testing::StartsWith(flag + ": expected 0.001..2147483.647 seconds"))
+            << bad;
+      }
+    }
+    for (const double good : {0.001, 5.0, 2147483.647}) {
+      auto o = options(1, "deepseek-v3-h800");
+      (handshake ? o.kv_transfer_handshake_timeout_s : o.kv_transfer_timeout_s) = good;
+      EXPECT_NO_THROW(check_options(o)) << flag << " " << good;
+    }
+  }
+  EXPECT_EQ(SimulationOptions{}.kv_transfer_handshake_timeout_s,
+            engine::KvTransferConfig{}.handshake_timeout_s);
 }
 
 TEST(VirtualTime, ATimeTheClockCannotCountIsAnErrorNotAnOverflow) {
