@@ -623,14 +623,17 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       return RoomWait{awake_from(time_at(written + config_.timeout_s)), false};
     }
     if (r.claim != 0 && written >= 0) return std::nullopt;  // the layers go when all are written
-    // The decode engine's wait begins as it sends its registration, and again as each progress
-    // frame reaches it: a link's latency before and after the prefill engine's times.
+    // The decode engine's wait begins as it sends its registration, and again as it reads each
+    // progress frame: a link's latency before and after the prefill engine's times. A frame that
+    // reaches it stalled waits in its socket until it wakes and reads it (await_room).
     const double latency_s = net_.link_.latency_s;
-    const double decode_waits_from =
-        r.progressed < 0 ? r.decode->registered - latency_s
-                         : std::max(r.decode->registered - latency_s, r.progressed + latency_s);
-    const TimePoint decode_gives_up = r.decode->endpoint->awake_from(
-        time_at(decode_waits_from + r.decode->endpoint->config_.timeout_s));
+    const Endpoint* decode = r.decode->endpoint;
+    TimePoint decode_waits_from = time_at(r.decode->registered - latency_s);
+    if (r.progressed >= 0)
+      decode_waits_from =
+          std::max(decode_waits_from, decode->awake_from(time_at(r.progressed + latency_s)));
+    const TimePoint decode_gives_up =
+        decode->awake_from(decode_waits_from + duration_of(decode->config_.timeout_s));
     const double prefill_waits_from =
         r.claim == 0 ? r.decode->registered : std::max(r.opened, r.progressed);
     const TimePoint prefill_gives_up = awake_from(time_at(prefill_waits_from + config_.timeout_s));

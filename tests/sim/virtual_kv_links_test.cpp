@@ -348,6 +348,35 @@ TEST_F(VirtualKvLinks, AStalledPrefillsRoomDeadlineWaitsForItsWakeAndTheDecodeGi
   EXPECT_NEAR(room.at_s, 35.00005, 1e-6);
 }
 
+// A progress frame that reaches a stalled decode engine waits in its socket: live, await_room
+// reads it when the engine wakes and waits the timeout from then, not from the frame's arrival.
+// Room 7 opened and registered at 0 s, progress at 20 s, the decode engine stalled from 10 s to
+// 45 s and the prefill engine from 40 s to 100 s (its own deadline, 50 s, passes at its wake):
+// the decode engine gives up at 45 s + 30 s, as the prefill engine's fault, not at 50.00005 s.
+TEST_F(VirtualKvLinks, AProgressFrameReachingAStalledDecodeEngineCountsFromItsWake) {
+  RoomEnd room;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(room));
+  ASSERT_NE(claim, 0u);
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(10);
+  net_.stall("decode", time_at(start_s_ + 45));
+  run_until(20);
+  prefill_->room_progress(7, claim, 2);
+  run_until(40);
+  net_.stall("prefill", time_at(start_s_ + 100));
+  run_until(200);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_TRUE(fetched.result->prefill_fault);
+  EXPECT_EQ(fetched.result->error,
+            "the prefill of bootstrap_room 7 made no progress within 30 s (2 of its 8 tokens "
+            "computed)");
+  EXPECT_NEAR(fetched.at_s, 75, 1e-6);
+  EXPECT_TRUE(room.abandoned);
+  EXPECT_NEAR(room.at_s, 75.00005, 1e-6);
+}
+
 // A decode leg whose prefill leg never comes: live, the decode engine's await_room began a
 // latency before the prefill engine took the registration, so it gives up first, at the timeout
 // from sending it, as the prefill engine's fault.
