@@ -26,17 +26,30 @@
 #include "net/async_http_client.h"
 #include "net/http_server.h"
 #include "net/loop_tasks.h"
+#include "util/error.h"
 #include "util/interruptible.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
+
+namespace {
+
+// The topology's policy. A file's unknown name is refused naming the file and its key, as the
+// file's other errors are ("topo.yaml: policy: unknown scheduling policy 'tandom'; ...").
+std::unique_ptr<Policy> policy_of(const Topology& t, const std::string& config_path) {
+  if (std::string why = unknown_policy_error(t.policy); !why.empty() && !config_path.empty())
+    throw Error(config_path + ": policy: " + why);
+  return make_policy(t.policy, policy_options(t));
+}
+
+}  // namespace
 
 // The parts wired together: who owns what and in which order they start and stop.
 class Gateway::Impl {
  public:
   Impl(Topology topology, std::string config_path, std::shared_ptr<AdminReplicas> replicas)
       : topo_((validate(topology), std::move(topology))),
-        policy_(make_policy(topo_.policy, policy_options(topo_))),
+        policy_(policy_of(topo_, config_path)),
         registry_(topo_.metrics_replica.empty()
                       ? metrics::LabelPairs{}
                       : metrics::LabelPairs{{"gateway_replica", topo_.metrics_replica}}),

@@ -106,12 +106,18 @@ std::vector<std::string> policy_names() {
   return names;
 }
 
+std::string unknown_policy_error(std::string_view name) {
+  for (const auto& p : kPolicies)
+    if (p.name == name) return {};
+  std::string valid;
+  for (const auto& n : policy_names()) valid += (valid.empty() ? "" : ", ") + n;
+  return "unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid;
+}
+
 std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options) {
   for (const auto& p : kPolicies)
     if (p.name == name) return p.make(options);
-  std::string valid;
-  for (const auto& n : policy_names()) valid += (valid.empty() ? "" : ", ") + n;
-  throw Error("unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid);
+  throw Error(unknown_policy_error(name));
 }
 
 int64_t ramped_in_flight_limit(int64_t limit, Clock::duration since, Clock::duration ramp) {

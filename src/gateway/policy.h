@@ -229,6 +229,9 @@ struct PolicyOptions {
 
 // Names make_policy() accepts, the default first: the registry's order.
 std::vector<std::string> policy_names();
+// Why `name` names no policy of the registry ("unknown scheduling policy 'x'; expected one of:
+// tandem, ..."); empty when it names one. What make_policy throws, for checks that build none.
+std::string unknown_policy_error(std::string_view name);
 // A policy by name from the registry ("tandem", "round_robin", "least_load", "cache_aware",
 // "kv_router"), with its options. Throws tandem::Error naming the valid names for anything else.
 std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options = {});

@@ -26,6 +26,7 @@
 #include "gateway/fake_engine.h"
 #include "gateway/gateway.h"
 #include "gateway/http_seams.h"
+#include "gateway/policy.h"
 #include "net/http_client.h"
 #include "net/http_server.h"
 #include "net/sse.h"
@@ -939,6 +940,28 @@ TEST_P(GatewayFailures, ThePolicyIsChosenByName) {
   one_at_a_time();
   EXPECT_EQ(a.requests(), 6);
   EXPECT_EQ(b.requests(), 2);
+}
+
+// A file's unknown policy is refused as the file's other errors are, "FILE: key: ...", listing
+// the names it could be (the gateway said "unknown scheduling policy 'tandom'", naming neither).
+TEST_P(GatewayFailures, AnUnknownPolicyInAFileNamesTheFileAndTheKey) {
+  FakeEngine d("d");
+  const auto file = (dir_ / "topology.yaml").string();
+  std::ofstream(file) << "policy: tandom\ndecode: {endpoints: [\"" << d.address() << "\"]}\n";
+  Topology t = load_topology(file);
+  t.port = 0;
+  t.io_threads = GetParam();
+  try {
+    Gateway g(t, file);
+    ADD_FAILURE() << "an unknown policy was accepted";
+  } catch (const Error& e) {
+    std::string valid;
+    for (const auto& n : policy_names()) valid += (valid.empty() ? "" : ", ") + n;
+    EXPECT_EQ(std::string(e.what()), file +
+                                         ": policy: unknown scheduling policy 'tandom'; "
+                                         "expected one of: " +
+                                         valid);
+  }
 }
 
 // A stopping gateway refuses new requests (503) at once, and lets those in flight finish within
