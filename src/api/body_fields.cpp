@@ -1,6 +1,7 @@
 #include "api/body_fields.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "api/error.h"
@@ -26,14 +27,27 @@ double number(const json& body, const char* name, double fallback) {
   return v->get<double>();
 }
 
+bool is_whole_number(const json& v) {
+  if (v.is_number_integer() || v.is_number_unsigned()) return true;
+  if (!v.is_number_float()) return false;
+  const double d = v.get<double>();
+  return std::isfinite(d) && d == std::trunc(d);
+}
+
+int64_t whole_number(const json& v, const std::string& name) {
+  if (!is_whole_number(v)) fail(name, "'" + name + "' must be an integer");
+  // 2^63 is exact as a double; a float at or past it (or below -2^63) has no int64 value.
+  constexpr double kLimit = 9223372036854775808.0;
+  if ((v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}) ||
+      (v.is_number_float() && (v.get<double>() >= kLimit || v.get<double>() < -kLimit)))
+    fail(name, "'" + name + "' is too large: " + v.dump());
+  return v.is_number_float() ? static_cast<int64_t>(v.get<double>()) : v.get<int64_t>();
+}
+
 int64_t integer(const json& body, const char* name, int64_t fallback) {
   const json* v = field(body, name);
   if (!v) return fallback;
-  if (!v->is_number_integer() && !v->is_number_unsigned())
-    fail(name, std::string("'") + name + "' must be an integer");
-  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t{INT64_MAX})
-    fail(name, std::string("'") + name + "' is too large: " + v->dump());
-  return v->get<int64_t>();
+  return whole_number(*v, name);
 }
 
 bool boolean(const json& body, const char* name, bool fallback) {

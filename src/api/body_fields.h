@@ -16,9 +16,16 @@ namespace tandem::api {
 const nlohmann::json* field(const nlohmann::json& body, const char* name);
 
 // Typed fields with a default for an absent one; a field of another type fails naming it.
+// integer() takes any whole number (below).
 double number(const nlohmann::json& body, const char* name, double fallback);
 int64_t integer(const nlohmann::json& body, const char* name, int64_t fallback);
 bool boolean(const nlohmann::json& body, const char* name, bool fallback);
+
+// A JSON integer, or a float with no fractional part (256.0): pydantic's lax mode, which vLLM's
+// request models use, takes those for an int field. 2.5, "5" and true are not whole numbers.
+bool is_whole_number(const nlohmann::json& v);
+// A whole number's int64 value; fails naming `name` for anything else or one outside int64.
+int64_t whole_number(const nlohmann::json& v, const std::string& name);
 
 // A non-empty list of numbers (a prompt given as token ids rather than text).
 bool is_token_list(const nlohmann::json& v);

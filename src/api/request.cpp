@@ -356,10 +356,8 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
   p.include_stop_str_in_output = boolean(body, "include_stop_str_in_output", false);
   p.skip_special_tokens = boolean(body, "skip_special_tokens", true);
   if (const json* s = field(body, "seed")) {
-    if (!s->is_number_integer() && !s->is_number_unsigned())
-      fail("seed", "'seed' must be an integer");
-    p.seed =
-        s->is_number_unsigned() ? s->get<uint64_t>() : static_cast<uint64_t>(s->get<int64_t>());
+    p.seed = s->is_number_unsigned() ? s->get<uint64_t>()
+                                     : static_cast<uint64_t>(whole_number(*s, "seed"));
   }
   if (const json* s = field(body, "stop")) {
     if (s->is_string()) {
@@ -697,11 +695,12 @@ std::string chat_echo_of(const nlohmann::ordered_json& last, const ApiRequest& r
 int32_t prompt_logprobs_of(const json& body, bool stream) {
   const json* v = field(body, "prompt_logprobs");
   if (!v) return -1;
-  if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > 20)
+  if (!is_whole_number(*v) || v->get<double>() < 0 || v->get<double>() > 20)
     fail("prompt_logprobs", "'prompt_logprobs' must be an integer between 0 and 20");
-  if (stream && v->get<int64_t>() > 0)
+  const auto asked = static_cast<int32_t>(v->get<double>());
+  if (stream && asked > 0)
     fail("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
-  return stream ? -1 : v->get<int32_t>();
+  return stream ? -1 : asked;
 }
 
 void check_prompt_count(const json& list, const char* name) {
@@ -770,9 +769,9 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   r.stream = boolean(body, "stream", false);
   read_stream_options(body, r);
   if (const json* lp = field(body, "logprobs")) {
-    if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > 20)
+    if (!is_whole_number(*lp) || lp->get<double>() < 0 || lp->get<double>() > 20)
       fail("logprobs", "'logprobs' must be an integer between 0 and 20");
-    r.logprobs = lp->get<int32_t>();
+    r.logprobs = static_cast<int32_t>(lp->get<double>());
   }
   r.prompt_logprobs = prompt_logprobs_of(body, r.stream);
   r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);

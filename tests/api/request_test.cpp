@@ -591,6 +591,59 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
   }
 }
 
+// As vLLM, whose Pydantic request models (lax mode) take a float with no fractional part for an
+// int field: "max_tokens": 256.0 (what some clients send, JavaScript's JSON of a computed number
+// can be so) was a 400 "'max_tokens' must be an integer". 2.5, "5" and true are still refused.
+TEST(Protocol, IntegerFieldsTakeFloatsWithNoFractionalPartAsVllmDoes) {
+  const auto completion = parse_completion(json::parse(R"({"prompt": "x", "max_tokens": 256.0,
+      "n": 2.0, "best_of": 2.0, "seed": 42.0, "top_k": 20.0, "min_tokens": 1.0, "logprobs": 2.0,
+      "prompt_logprobs": 1.0, "priority": -3.0})"),
+                                           tokenizer(), kLimits);
+  EXPECT_EQ(completion.sampling.max_tokens, 256);
+  EXPECT_EQ(completion.n, 2);
+  EXPECT_EQ(completion.sampling.seed, std::optional<uint64_t>(42));
+  EXPECT_EQ(completion.sampling.top_k, 20);
+  EXPECT_EQ(completion.sampling.min_tokens, 1);
+  EXPECT_EQ(completion.logprobs, 2);
+  EXPECT_EQ(completion.prompt_logprobs, 1);
+  EXPECT_EQ(completion.priority, -3);
+  const auto chat = parse_chat(json::parse(R"({"messages": [{"role": "user", "content": "Hi"}],
+      "max_completion_tokens": 64.0, "logprobs": true, "top_logprobs": 2.0, "n": 1.0})"),
+                               tokenizer(), &chat_template(), kLimits);
+  EXPECT_EQ(chat.sampling.max_tokens, 64);
+  EXPECT_EQ(chat.logprobs, 2);
+  EXPECT_EQ(chat.n, 1);
+  // The same fields as integers give the same request.
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 256}}, tokenizer(), kLimits)
+                .sampling.max_tokens,
+            256);
+
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"max_tokens", 2.5},
+                                                 {"max_tokens", "5"},
+                                                 {"max_tokens", true},
+                                                 {"n", 1.5},
+                                                 {"seed", 0.5},
+                                                 {"seed", "42"},
+                                                 {"top_k", 20.1},
+                                                 {"logprobs", 1.5},
+                                                 {"prompt_logprobs", 0.5}}) {
+    SCOPED_TRACE(field + " " + value.dump());
+    const ApiError e = error_of([&] {
+      parse_completion(json{{"prompt", "x"}, {field, value}}, tokenizer(), kLimits);
+    });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, field);
+    EXPECT_NE(e.message.find("must be an integer"), std::string::npos) << e.message;
+  }
+  // A whole float past int64 is out of range, not read as some other number.
+  const ApiError huge = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"max_tokens", 1e30}}, tokenizer(), kLimits);
+  });
+  EXPECT_EQ(huge.param, "max_tokens");
+  EXPECT_NE(huge.message.find("too large"), std::string::npos) << huge.message;
+}
+
 // Every dialect's structured-output fields become one spec, compiled when the request is parsed.
 TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
   using Kind = structured::OutputSpec::Kind;
