@@ -523,6 +523,10 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   json choice = have_tools ? json("auto") : json("none");
   if (const json* c = field(body, "tool_choice")) choice = *c;
   if (choice == "none") return {};
+  // As vLLM's check_tool_usage: an empty list with "auto" leaves nothing to call, and "required"
+  // with one becomes "none" (OpenAI's behaviour); either way the answer is text. A named choice
+  // still needs its tool, and any choice needs the field.
+  if (tools && tools->empty() && (choice == "auto" || choice == "required")) return {};
   if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
   ToolUse use;
   use.format = tool_call_markup(tokenizer);

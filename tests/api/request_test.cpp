@@ -644,6 +644,37 @@ TEST(Protocol, IntegerFieldsTakeFloatsWithNoFractionalPartAsVllmDoes) {
   EXPECT_NE(huge.message.find("too large"), std::string::npos) << huge.message;
 }
 
+// vLLM's check_tool_usage: an empty list of tools with tool_choice "auto" is accepted, and with
+// "required" becomes "none" ("to align with OpenAI's behavior"); either way there is nothing to
+// call, so the answer is text. Both were a 400 "'tool_choice' other than \"none\" needs 'tools'".
+// A named choice still needs a tool of its name, and tool_choice without any tools is refused (as
+// vLLM refuses it: "When using `tool_choice`, `tools` must be set.").
+TEST(Protocol, AnEmptyListOfToolsWithAutoOrRequiredIsAChatWithoutTools) {
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  auto chat = [&](const std::string& fields) {
+    const std::string raw = R"({"messages": [{"role": "user", "content": "Hi"}], )" + fields + "}";
+    return parse_chat(json::parse(raw), api_test::qwen3(), &api_test::qwen3_template(), limits,
+                      raw);
+  };
+  const ApiRequest plain = chat(R"("max_tokens": 8)");
+  for (const char* choice : {"auto", "required"}) {
+    SCOPED_TRACE(choice);
+    const ApiRequest r =
+        chat(R"("max_tokens": 8, "tools": [], "tool_choice": ")" + std::string(choice) + "\"");
+    EXPECT_EQ(r.tool_calls, ToolCallFormat::kNone);
+    EXPECT_FALSE(r.sampling.structured_output);
+    EXPECT_EQ(r.prompts, plain.prompts);
+  }
+  const ApiError named = error_of([&] {
+    chat(R"("tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}})");
+  });
+  EXPECT_EQ(named.status, 400);
+  EXPECT_EQ(named.param, "tool_choice");
+  EXPECT_EQ(error_of([&] { chat(R"("tool_choice": "required")"); }).param, "tool_choice");
+  EXPECT_EQ(error_of([&] { chat(R"("tools": null, "tool_choice": "auto")"); }).param,
+            "tool_choice");
+}
+
 // Every dialect's structured-output fields become one spec, compiled when the request is parsed.
 TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
   using Kind = structured::OutputSpec::Kind;
