@@ -18,15 +18,21 @@ namespace {
 
 using nlohmann::ordered_json;
 
-// The texts of a content given as a list of parts.
-std::vector<std::string> text_parts(const ordered_json& parts) {
+// The texts of a content given as a list of parts. An assistant's refusal part
+// ({"type": "refusal", "refusal": "..."}, which OpenAI's schema has for assistant messages) is
+// its text, as vLLM's chat_utils reads it.
+std::vector<std::string> text_parts(const ordered_json& parts, bool from_assistant) {
   std::vector<std::string> texts;
   for (const auto& part : parts) {
     // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
-    if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
-        !part.contains("text") || !part["text"].is_string())
-      fail("messages", "only text content parts are supported");
-    texts.push_back(part["text"].get<std::string>());
+    const bool text = part.is_object() && part.contains("type") && part["type"] == "text";
+    const bool refusal =
+        from_assistant && part.is_object() && part.contains("type") && part["type"] == "refusal";
+    const char* key = refusal ? "refusal" : "text";
+    if (!(text || refusal) || !part.contains(key) || !part[key].is_string())
+      fail("messages", from_assistant ? "only text and refusal content parts are supported"
+                                      : "only text content parts are supported");
+    texts.push_back(part[key].get<std::string>());
   }
   return texts;
 }
@@ -166,7 +172,7 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
     if (content && !content->is_string() && !content->is_array())
       fail("messages", "message content must be a string or a list of text parts");
     std::vector<std::string> texts;
-    if (content && content->is_array()) texts = text_parts(*content);
+    if (content && content->is_array()) texts = text_parts(*content, m["role"] == "assistant");
     if (content && content->is_string()) texts.push_back(content->get<std::string>());
     const bool parts = format == text::ContentFormat::kOpenAI && m["role"] != "tool";
     // Only an assistant turn: DeepSeek-V3's other branches concatenate content, so a null there

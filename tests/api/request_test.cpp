@@ -675,6 +675,39 @@ TEST(Protocol, AnEmptyListOfToolsWithAutoOrRequiredIsAChatWithoutTools) {
             "tool_choice");
 }
 
+// OpenAI's schema lets an assistant message's content hold refusal parts
+// ({"type": "refusal", "refusal": "..."}), and vLLM's chat_utils parses one as text (joined with
+// the text parts by "\n" as they are). It was a 400 "only text content parts are supported".
+// Another role's refusal part is still refused (OpenAI's schema has it for assistants only).
+TEST(Protocol, AnAssistantsRefusalPartIsReadAsItsText) {
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  auto body_with = [](const json& assistant_content) {
+    return json{{"messages",
+                 {{{"role", "user"}, {"content", "Tell me a secret"}},
+                  {{"role", "assistant"}, {"content", assistant_content}},
+                  {{"role", "user"}, {"content", "Why not?"}}}}};
+  };
+  auto prompt_of = [&](const json& body) {
+    return parse_chat(body, api_test::qwen3(), &api_test::qwen3_template(), limits, body.dump())
+        .prompts[0];
+  };
+  const json with_parts =
+      body_with({{{"type", "text"}, {"text", "Sorry."}}, {{"type", "refusal"}, {"refusal", "no"}}});
+  const json as_text = body_with("Sorry.\nno");
+  const std::string oracle = api_test::vllm_prompt("qwen3", as_text.dump());
+  ASSERT_FALSE(oracle.empty());
+  EXPECT_EQ(api_test::qwen3().decode(prompt_of(with_parts), false), oracle);
+  EXPECT_EQ(prompt_of(with_parts), prompt_of(as_text));
+
+  const json from_user = {
+      {"messages", {{{"role", "user"}, {"content", {{{"type", "refusal"}, {"refusal", "no"}}}}}}}};
+  const ApiError e = error_of([&] { prompt_of(from_user); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "messages");
+  const json without_text = body_with({{{"type", "refusal"}, {"refusal", 5}}});
+  EXPECT_EQ(error_of([&] { prompt_of(without_text); }).param, "messages");
+}
+
 // Every dialect's structured-output fields become one spec, compiled when the request is parsed.
 TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
   using Kind = structured::OutputSpec::Kind;
