@@ -159,6 +159,11 @@ class ChoiceMerger::Part final : public net::Reply {
   bool respond(int status, std::string body, std::string content_type) override {
     return merger_->respond(i_, status, std::move(body), std::move(content_type));
   }
+  // A refusal's header fields (the gateway's or an engine's Retry-After) reach the client too.
+  bool respond_with_headers(net::HttpResponse response) override {
+    return merger_->respond(i_, response.status, std::move(response.body),
+                            std::move(response.content_type), std::move(response.headers));
+  }
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
     return respond(status,
@@ -217,7 +222,8 @@ void run(std::vector<std::function<void()>>& callbacks) {
 
 }  // namespace
 
-bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string content_type) {
+bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string content_type,
+                           net::Headers headers) {
   std::vector<std::function<void()>> later, dropped;
   {
     std::lock_guard lock(mutex_);
@@ -229,7 +235,7 @@ bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string c
                                     "server_error");
     }
     if (status != 200) {
-      later = fail(i, status, std::move(body), std::move(content_type));
+      later = fail(i, status, std::move(body), std::move(content_type), std::move(headers));
     } else {
       p.state = PartState::kDone;
       p.body = std::move(body);
@@ -399,11 +405,15 @@ void ChoiceMerger::client_gone() {
 }
 
 std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std::string body,
-                                                      std::string content_type) {
+                                                      std::string content_type,
+                                                      net::Headers headers) {
   abandon(i, status);
   parts_[i].state = PartState::kFailed;
-  if (!started_) {
+  if (!started_ && headers.empty()) {
     client_->respond(status, std::move(body), std::move(content_type));
+  } else if (!started_) {
+    client_->respond_with_headers(
+        net::HttpResponse{status, std::move(content_type), std::move(body), std::move(headers)});
   } else {  // the client has a 200 and some choices: the stream's last event says what failed
     end_with_error(api::openai_error_body("choice " + std::to_string(i) + " failed: " +
                                               api::openai_error_message(body).value_or(body),

@@ -90,7 +90,10 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
 
   ChoiceMerger(std::shared_ptr<net::Reply> client, size_t choices, size_t repeats);
 
-  bool respond(size_t i, int status, std::string body, std::string content_type);
+  // `headers`: a refusal's extra fields (an engine's Retry-After), which the client gets when this
+  // answer is its answer (a failure before any stream); a merged answer has none.
+  bool respond(size_t i, int status, std::string body, std::string content_type,
+               net::Headers headers = {});
   bool start_stream(size_t i, int status, std::string content_type);
   bool write(size_t i, std::string_view chunk);
   bool end(size_t i);
@@ -106,7 +109,7 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   // Ends the client's answer with choice i's failure and lets go of the other choices' requests
   // (their close callbacks, returned for running after the lock).
   std::vector<std::function<void()>> fail(size_t i, int status, std::string body,
-                                          std::string content_type);
+                                          std::string content_type, net::Headers headers = {});
   std::vector<std::function<void()>> take_callbacks(size_t except);
   bool all_done() const;
   // Every close callback, not to run (the answer is complete), for dropping after the lock: each

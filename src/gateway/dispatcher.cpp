@@ -739,10 +739,13 @@ void Dispatcher::prefill_engine_failed(int endpoint_id, Clock::time_point since)
 }
 
 void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                            std::string body, std::string message, Blame blame) {
+                            std::string body, std::string message, Blame blame,
+                            std::string retry_after) {
   exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
-                      message = std::move(message), blame]() mutable {
-    attempt_failed(r, attempt, endpoint_id, status, std::move(body), std::move(message), blame);
+                      message = std::move(message), blame,
+                      retry_after = std::move(retry_after)]() mutable {
+    attempt_failed(r, attempt, endpoint_id, status, std::move(body), std::move(message), blame,
+                   std::move(retry_after));
   });
 }
 
@@ -803,7 +806,8 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // again from the prefill, as parallel mode retries its pair.
 // What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                                std::string body, std::string message, Blame blame) {
+                                std::string body, std::string message, Blame blame,
+                                std::string retry_after) {
   if (attempt != r->attempt) return;
   std::vector<Upstream::CallId> calls;
   {
@@ -867,6 +871,15 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
       if (!r->held_kv.empty())
         release_held_kv(r->held_kv_endpoint, std::exchange(r->held_kv, {}), r->headers);
     }
+    // An engine's refusal (429, 503: its queue is full) retried where no engine is left that has
+    // not refused or failed the request goes back to one of those (the policies fall back to
+    // them): at once, it would meet the same full queue. It waits the topology's retry_backoff
+    // first, longer at each such retry.
+    if ((status == 429 || status == 503) && only_tried_engines_left(*r, endpoint_id)) {
+      enqueue_at(r,
+                 exec_.now() + topo_.retry_backoff.jittered(r->refusal_backoffs++, random_u64()));
+      return;
+    }
     enqueue(r, true);
     dispatch();
     return;
@@ -882,10 +895,17 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // As in the first section: between the two, another leg may have begun answering.
     if (r->client != ClientState::kNothingSent) return;
     r->client = ClientState::kAnswering;
-    if (relay) {
+    if (!client_error && !relay) status = 502;
+    // The engine's refusal (429, 503) keeps its Retry-After: when to come back is its to say.
+    if ((status == 429 || status == 503) && !retry_after.empty()) {
+      net::HttpResponse response =
+          relay ? net::HttpResponse{status, "application/json", body, {}}
+                : api::openai_error_response(status, message, api::default_error_type(status), "");
+      response.headers.set("Retry-After", retry_after);
+      r->reply->respond_with_headers(std::move(response));
+    } else if (relay) {
       r->reply->respond(status, body, "application/json");
     } else {  // an OpenAI error of our own: the engine's 4xx status, else 502
-      if (!client_error) status = 502;
       r->reply->send_error(status, message, client_error ? "" : "server_error");
     }
   }
@@ -894,9 +914,21 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
 
 void Dispatcher::enqueue_after_backoff(const RequestPtr& r) {
   // random_u64: repeatable under a simulation's seed (seed_random_ids), as its bootstrap rooms.
-  const auto due =
-      std::min(exec_.now() + topo_.retry_backoff.jittered(r->busy_retries, random_u64()),
-               r->kv_held_since + topo_.timeouts.decode_queue);
+  enqueue_at(r, std::min(exec_.now() + topo_.retry_backoff.jittered(r->busy_retries, random_u64()),
+                         r->kv_held_since + topo_.timeouts.decode_queue));
+}
+
+bool Dispatcher::only_tried_engines_left(const Request& r, int endpoint_id) const {
+  const EndpointState* refused = endpoints_.find(endpoint_id);
+  if (!refused) return false;  // removed: its pool may hold none it tried
+  for (const auto& [id, e] : endpoints_.all())
+    if (e.prefill == refused->prefill && e.eligible() &&
+        std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end())
+      return false;
+  return true;
+}
+
+void Dispatcher::enqueue_at(const RequestPtr& r, Clock::time_point due) {
   // Weak: the timer must not keep a request that ended meanwhile alive (finished() accounted for
   // it, and let go of its KV).
   exec_.at(due, [this, weak = std::weak_ptr<Request>(r), attempt = r->attempt] {

@@ -128,8 +128,11 @@ class Dispatcher {
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
   // retries remain (avoiding the engine `blame` names; a sequential decode leg that reached its
   // engine starts again from the prefill), else answered with the engine's error or a 502.
+  // `retry_after`: the engine's Retry-After on its refusal (429, 503), which the client gets with
+  // that refusal once retries are spent.
   void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
-                  std::string message, Blame blame = Blame::kItsEngine);
+                  std::string message, Blame blame = Blame::kItsEngine,
+                  std::string retry_after = {});
   // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes,
   // code answer_too_large), or none within the time it allows a whole answer (first_token_ms,
   // code timeout): no other engine is asked (each would compute the same answer as long); the
@@ -185,7 +188,12 @@ class Dispatcher {
                                          std::chrono::milliseconds timeout) const;
   void leg_done(const Leg& leg, LegOutcome outcome);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                      std::string body, std::string message, Blame blame);
+                      std::string body, std::string message, Blame blame, std::string retry_after);
+  // Whether every eligible engine of the pool of `endpoint_id` (prefill or decode) refused or
+  // failed `r` already (Request::excluded): a retry can only go back to one of them.
+  bool only_tried_engines_left(const Request& r, int endpoint_id) const;
+  // `r` joins the queue again (first in line) at `due`, unless it ended or moved on meanwhile.
+  void enqueue_at(const RequestPtr& r, Clock::time_point due);
   // Sequential mode, a decode stage whose prefill engine refused the pull for now: it joins the
   // queue again (first in line) after the jittered backoff of its busy retry, never later than its
   // KV's hold allows (timeouts.decode_queue_ms), unless it ended meanwhile.

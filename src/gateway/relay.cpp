@@ -1,5 +1,6 @@
 #include "gateway/relay.h"
 
+#include <algorithm>
 #include <cctype>
 #include <optional>
 
@@ -44,6 +45,17 @@ bool is_chunked(std::string transfer_encoding) {
   return transfer_encoding.find("chunked") != std::string::npos;
 }
 
+// An engine's Retry-After on its refusal (429, 503), kept for the client's answer once retries are
+// spent: delay-seconds or an HTTP-date, a short line of visible text; anything else is dropped
+// rather than relayed.
+std::string retry_after_of(int status, const net::Headers& hs) {
+  if (status != 429 && status != 503) return {};
+  std::string value = hs.get("Retry-After");
+  const bool text = std::all_of(value.begin(), value.end(),
+                                [](unsigned char c) { return c >= 0x20 && c < 0x7f; });
+  return value.size() <= 64 && text ? value : std::string();
+}
+
 std::string size_text(size_t bytes) {
   if (bytes % (size_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
   return std::to_string(bytes) + " bytes";
@@ -73,6 +85,7 @@ net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_r
     if (auto l = leg_ref->lock()) {
       l->status = status;
       l->streaming = is_event_stream(status, hs);  // parallel mode, a streaming client
+      l->retry_after = retry_after_of(status, hs);
     }
   };
   // Sequential: the answer carries kv_transfer_params. Both modes: its usage says what the engine
@@ -132,7 +145,8 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
     return;
   }
   if (l.status != 200) {
-    dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
+    dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {},
+                           Dispatcher::Blame::kItsEngine, l.retry_after);
     return;
   }
   if (!error_event.empty()) {
@@ -176,6 +190,7 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
     l->status = status;
     l->streaming = is_event_stream(status, hs);
     l->until_close = hs.get("Content-Length").empty() && !is_chunked(hs.get("Transfer-Encoding"));
+    l->retry_after = retry_after_of(status, hs);
   };
   h.on_body = [this, r, leg_ref](std::string_view piece) {
     auto l = leg_ref->lock();
@@ -502,7 +517,8 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         l.never_connected ? Dispatcher::Blame::kItsEngineUnreached : Dispatcher::Blame::kItsEngine);
     return;
   }
-  dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, blame);
+  dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, blame,
+                         l.retry_after);
 }
 
 }  // namespace tandem::gateway

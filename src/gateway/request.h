@@ -80,6 +80,9 @@ struct Leg {
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;
+  // Its engine's Retry-After on a refusal (429, 503: its queue is full), for the client's answer
+  // once retries are spent; empty when it sent none (or one that is no short line of text).
+  std::string retry_after;
   // A non-streaming answering leg cut at first_token_ms, which bounds its whole answer (under the
   // request's mutex): not retried, since another engine would take as long (unless it never
   // connected: then retried, as one that could not connect).
@@ -152,6 +155,9 @@ struct Request {
   // waits longer (Topology::retry_backoff).
   int busy_retries = 0;
   std::vector<int> excluded;
+  // Of its retries, those that followed an engine's refusal (429, 503) with no engine left that had
+  // not refused or failed it: each waited the topology's retry_backoff, longer each time.
+  int refusal_backoffs = 0;
   // The attempt whose prefill engine's failure was counted (by its leg, or by a decode leg that
   // could not take its KV): one failure counts once, whichever leg tells of it first.
   int prefill_blamed_attempt = -1;

@@ -188,6 +188,10 @@ class Client final : public net::Reply {
   bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
     return respond(s, api::openai_error_body(message), "application/json");
   }
+  bool respond_with_headers(net::HttpResponse r) override {
+    retry_after = r.headers.get("Retry-After");
+    return respond(r.status, std::move(r.body), std::move(r.content_type));
+  }
   bool start_stream(int s, std::string) override {
     status = s;
     return true;
@@ -209,6 +213,7 @@ class Client final : public net::Reply {
 
   int status = 0;
   std::string body, streamed;
+  std::string retry_after;  // of an answer with header fields
   bool complete = false, aborted = false;
   std::function<void()> close;
 };
@@ -390,6 +395,24 @@ TEST(ChoiceMerger, AChoiceRefusedBeforeAnyAnswerIsTheAnswerAndTheOthersAreLetGo)
   EXPECT_EQ(c_closed, 1);
   client->leave();  // already complete: nothing runs twice
   EXPECT_EQ(a_closed, 1);
+}
+
+// A choice refused with header fields (an engine's 429 or 503 with Retry-After, relayed) answers
+// the client with them: the part dropped them, and the client of n > 1 lost the engine's
+// Retry-After.
+TEST(ChoiceMerger, AChoiceRefusedWithRetryAfterGivesItToTheClient) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, 2);
+  auto a = merger->reply(0), b = merger->reply(1);
+  net::HttpResponse refusal;
+  refusal.status = 429;
+  refusal.body = api::openai_error_body("the engine's queue is full", "server_error");
+  refusal.headers.set("Retry-After", "3");
+  ASSERT_TRUE(b->respond_with_headers(refusal));
+  EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(client->body, refusal.body);
+  EXPECT_EQ(client->retry_after, "3");
+  EXPECT_FALSE(a->respond_with_headers(refusal));  // the answer is given
 }
 
 // The merged stream ends as a failing engine ends its own (vLLM's, ours): the error event, then

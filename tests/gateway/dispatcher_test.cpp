@@ -115,6 +115,15 @@ class FakeEngines final : public Upstream {
     piece(c, body);
     finish(c, "");
   }
+  // The engine refuses the call (429 or 503) saying when to come back (Retry-After, seconds).
+  static void refuse(Call& c, int status, const std::string& body, const std::string& retry_after) {
+    net::Headers h;
+    h.set("Content-Type", "application/json");
+    h.set("Retry-After", retry_after);
+    if (c.handlers.on_head) c.handlers.on_head(status, h);
+    piece(c, body);
+    finish(c, "");
+  }
   static void head(Call& c, int status, const std::string& content_type) {
     net::Headers h;
     h.set("Content-Type", content_type);
@@ -897,6 +906,61 @@ TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
   one.clock.run_ready();
   EXPECT_EQ(refused->status, 429);
   EXPECT_EQ(refused->body, full);
+}
+
+// A retry after an engine's refusal (429, 503: its queue is full) that can only go back to an
+// engine that refused or failed the request waits the topology's retry_backoff first: sent again at
+// once, it met the same full queue. Once retries are spent the client gets the engine's refusal
+// with its Retry-After, which the gateway dropped.
+TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeepsItsRetryAfter) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  for (const PdMode mode : {PdMode::kAggregated, PdMode::kSequential}) {
+    Topology t = mode == PdMode::kAggregated ? aggregated({engine("a")}) : tandem_sequential_pair();
+    t.prefill_retries = 1;
+    t.retry_backoff.first = milliseconds(40);
+    t.retry_backoff.max = milliseconds(400);
+    Cluster c(t);
+    auto client = c.send();
+    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, "3");
+    c.clock.run_ready();
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back";
+    c.clock.advance_by(milliseconds(19));  // the least jittered wait is half of 40 ms
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent within the backoff";
+    c.clock.advance_by(milliseconds(21));
+    auto retry = c.engines.open("/v1/completions");
+    ASSERT_EQ(retry.size(), 1u) << "not sent after the backoff";
+    EXPECT_EQ(host_of(*retry[0]), mode == PdMode::kAggregated ? "a" : "p");
+    EXPECT_FALSE(client->complete());
+    FakeEngines::refuse(*retry[0], 429, full, "3");
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 429);
+    EXPECT_EQ(client->body, full);
+    EXPECT_EQ(client->retry_after, "3");
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+    EXPECT_EQ(c.clock.pending_timers(), 0u);
+  }
+}
+
+// A request of several choices answered by its parts (ChoiceMerger) keeps the refusing engine's
+// Retry-After too.
+TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  auto client = c.send_choices(2);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  FakeEngines::refuse(*legs[1], 503, full, "3");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 503);
+  EXPECT_EQ(client->answers, 1);
+  EXPECT_EQ(client->body, full);
+  EXPECT_EQ(client->retry_after, "3");
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
