@@ -338,34 +338,62 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   e->probe_failed = false;
   e->probe_passed = now;
   e->consecutive_failures = 0;
-  if (e->healthy) return false;
-  e->healthy = true;
-  e->readmitted = now;
-  if (readmission_is_the_only_restart_signal(*e))
-    forget_cached_prefixes(*e, "was readmitted (it may have restarted)");
-  // What answers there now may be another server: an auto engine is asked again, and so is
-  // every engine's longest sequence.
-  if (e->dialect == Dialect::kAuto) {
-    e->load_source = LoadSource::kAsking;
-    e->load_trouble.clear();  // said again if the new server has it too
+  if (!e->not_serving.empty()) {
+    // Alive, but serving another model: its model list is asked again (it may have restarted
+    // with the right one), and that answer readmits it.
+    if (e->length_query != LengthQuery::kAsking) e->length_query = LengthQuery::kToAsk;
+    return false;
   }
-  e->length_query = LengthQuery::kToAsk;
-  e->max_model_len = 0;
-  if (!e->draining) e->healthy_gauge->set(1);
-  update_ready();
+  if (e->healthy) return false;
+  readmit(*e, now);
   return true;
 }
 
-void EndpointTable::length_result(int id, std::optional<int64_t> max_model_len) {
+void EndpointTable::readmit(EndpointState& e, Clock::time_point now) {
+  e.healthy = true;
+  e.readmitted = now;
+  if (readmission_is_the_only_restart_signal(e))
+    forget_cached_prefixes(e, "was readmitted (it may have restarted)");
+  // What answers there now may be another server: an auto engine is asked again, and so is
+  // every engine's longest sequence.
+  if (e.dialect == Dialect::kAuto) {
+    e.load_source = LoadSource::kAsking;
+    e.load_trouble.clear();  // said again if the new server has it too
+  }
+  e.length_query = LengthQuery::kToAsk;
+  e.max_model_len = 0;
+  if (!e.draining) e.healthy_gauge->set(1);
+  update_ready();
+}
+
+bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
+                                  std::string not_serving, Clock::time_point now) {
   EndpointState* e = find(id);
-  if (!e || e->length_query != LengthQuery::kAsking) return;  // readmitted since: asked again
+  if (!e || e->length_query != LengthQuery::kAsking) return false;  // readmitted: asked again
   if (!max_model_len) {
     e->length_query = LengthQuery::kToAsk;
-    return;
+    return false;
+  }
+  bool changed = false;
+  if (!not_serving.empty()) {
+    if (not_serving != e->not_serving)
+      std::fprintf(stderr, "tandem gateway: engine %s ejected: %s\n", e->config.name.c_str(),
+                   not_serving.c_str());
+    changed = e->healthy;
+    e->healthy = false;
+    e->healthy_gauge->set(0);
+    e->not_serving = std::move(not_serving);
+  } else if (!e->not_serving.empty()) {
+    std::fprintf(stderr, "tandem gateway: engine %s readmitted: it serves the model now\n",
+                 e->config.name.c_str());
+    e->not_serving.clear();
+    readmit(*e, now);
+    changed = true;
   }
   e->length_query = LengthQuery::kAnswered;
   e->max_model_len = *max_model_len;
   update_ready();
+  return changed;
 }
 
 bool EndpointTable::load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
@@ -588,6 +616,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"max_in_flight", e.max_in_flight},
             {"consecutive_failures", e.consecutive_failures},
             {"load_source", load_source_name(e.load_source)}};
+  if (!e.not_serving.empty()) j["unhealthy_reason"] = e.not_serving;
   if (!e.load_trouble.empty()) j["load_error"] = e.load_trouble;
   if (e.max_model_len > 0) j["max_model_len"] = e.max_model_len;
   if (has_events(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);

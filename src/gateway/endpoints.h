@@ -75,6 +75,9 @@ struct EndpointState {
   LaunchedAtPoll launched_at_last_poll;  // counts when the last poll left
   LengthQuery length_query = LengthQuery::kToAsk;
   int64_t max_model_len = 0;  // what its GET /v1/models said; 0: not known
+  // Why it serves none of the gateway's model (its GET /v1/models lists other names, so every
+  // request would be answered 404); non-empty: kept unhealthy until a later answer lists it.
+  std::string not_serving;
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
@@ -168,8 +171,11 @@ class EndpointTable {
   bool load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
                    Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a
-  // 5xx), else its max_model_len (0: an answer without one).
-  void length_result(int id, std::optional<int64_t> max_model_len);
+  // 5xx), else its max_model_len (0: an answer without one), and `not_serving`, why it serves
+  // none of the gateway's model (empty: it serves it, or cannot tell). An engine that does not is
+  // ejected (said on stderr); one that does again is readmitted. True when that changed it.
+  bool models_result(int id, std::optional<int64_t> max_model_len, std::string not_serving,
+                     Clock::time_point now);
 
   // Draining: no new requests; it leaves once its last leg finished. False if unknown/draining.
   bool drain(int id);
@@ -189,6 +195,8 @@ class EndpointTable {
  private:
   void forget(int id);
   void update_ready();
+  // Eligible again (a probe passed, or its model list names the model again).
+  void readmit(EndpointState& e, Clock::time_point now);
   // Its in-flight limit at `now`: the slow-start ramp after a readmission.
   int64_t in_flight_limit(const EndpointState& e, Clock::time_point now) const;
   bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }

@@ -5,15 +5,38 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "api/load_report.h"
 #include "api/model_list.h"
 #include "gateway/engine_get.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 namespace {
 
 // A /load answer is a few kilobytes, a model list less; anything far larger is not one.
 constexpr size_t kMaxAnswerBytes = size_t{1} << 20;
+
+// Why an engine whose GET /v1/models answered `body` serves none of `model` (the gateway's
+// served_model_name, the name clients send and the gateway passes on): empty when it lists it,
+// when the gateway names no model, or when the body is no model list (nothing learned).
+std::string not_serving(const std::string& body, const std::string& model) {
+  if (model.empty()) return {};
+  const nlohmann::json doc = nlohmann::json::parse(body, nullptr, false);
+  if (!doc.is_object() || !doc.contains("data") || !doc["data"].is_array()) return {};
+  std::string listed;
+  int shown = 0;
+  for (const auto& m : doc["data"]) {
+    if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
+    const std::string& id = m["id"].get_ref<const std::string&>();
+    if (id == model) return {};
+    if (shown++ < 4) listed += (listed.empty() ? "'" : ", '") + utf8::clip(id) + "'";
+  }
+  return "its GET /v1/models lists " + (listed.empty() ? std::string("no model") : listed) +
+         (shown > 4 ? " and more" : "") + ", not the gateway's served_model_name '" + model +
+         "' (each request would be refused as for an unknown model)";
+}
 
 }  // namespace
 
@@ -75,11 +98,16 @@ void HealthMonitor::ask_length(int id) {
         // A 4xx or a body without the field is an answer (a server that does not
         // say); a transport error or a 5xx is none, and the next probe asks again.
         std::optional<int64_t> length;
-        if (a.error.empty() && a.status == 200)
+        std::string why_not;
+        if (a.error.empty() && a.status == 200) {
           length = api::max_model_len_of(a.body).value_or(0);
-        else if (a.error.empty() && a.status >= 400 && a.status < 500)
+          why_not = not_serving(a.body, topo_.served_model_name);
+        } else if (a.error.empty() && a.status >= 400 && a.status < 500) {
           length = 0;
-        exec_.post([this, id, length] { endpoints_.length_result(id, length); });
+        }
+        exec_.post([this, id, length, why_not = std::move(why_not)]() mutable {
+          if (endpoints_.models_result(id, length, std::move(why_not), exec_.now())) changed_();
+        });
       });
   bound(call);
 }

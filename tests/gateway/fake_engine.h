@@ -60,6 +60,16 @@ class FakeEngine {
     };
     server_->route("POST", "/v1/completions", gen);
     server_->route("POST", "/v1/chat/completions", gen);
+    server_->route("GET", "/v1/models", [this](const net::HttpRequest&, auto ex) {
+      std::lock_guard lock(mutex_);
+      if (models_.empty()) {
+        ex->send_error(404, "Invalid URL (GET /v1/models)");  // by default, as before the route
+        return;
+      }
+      json data = json::array();
+      for (const auto& id : models_) data.push_back({{"id", id}, {"object", "model"}});
+      ex->respond(200, json{{"object", "list"}, {"data", data}}.dump());
+    });
     server_->route("GET", "/load", [this](const net::HttpRequest&, auto ex) {
       std::lock_guard lock(mutex_);
       if (load_status_ == 404)
@@ -83,6 +93,11 @@ class FakeEngine {
     std::lock_guard lock(mutex_);
     load_status_ = status;
     load_body_ = std::move(body);
+  }
+  // The model ids GET /v1/models lists; none (the default): it answers 404.
+  void set_models(std::vector<std::string> ids) {
+    std::lock_guard lock(mutex_);
+    models_ = std::move(ids);
   }
   int requests() const { return requests_; }
   int closed_early() const { return closed_early_; }  // clients that left before the answer
@@ -242,6 +257,7 @@ class FakeEngine {
   std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held_;
   size_t max_held_ = 0;
   int load_status_ = 404;
+  std::vector<std::string> models_;
   std::string load_body_;
 };
 

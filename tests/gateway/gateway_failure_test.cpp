@@ -652,6 +652,40 @@ TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+// An engine whose GET /v1/models does not list the model the gateway serves would answer every
+// request it takes 404 ("The model `dsv3` does not exist."), instantly, so least-load preferred
+// it: it is kept out, unhealthy with the reason in /admin/endpoints, until it lists the model.
+TEST_P(GatewayFailures, AnEngineServingAnotherModelIsNotAdmitted) {
+  FakeEngine right("right"), wrong("wrong");
+  right.set_models({"dsv3"});
+  wrong.set_models({"other"});
+  auto t = topology(PdMode::kAggregated);
+  t.served_model_name = "dsv3";
+  t.decode.endpoints = {endpoint_of(right, "right")};
+  start(t);
+  const auto r = admin(
+      "POST", "/admin/endpoints",
+      json{{"pool", "decode"}, {"endpoint", {{"url", wrong.address()}, {"name", "wrong"}}}}.dump());
+  ASSERT_EQ(r.status, 201) << r.body;
+  auto wrong_state = [&] {
+    for (const auto& e : endpoints())
+      if (e["name"] == "wrong") return e;
+    return json();
+  };
+  ASSERT_TRUE(eventually([&] { return wrong_state()["healthy"] == false; }));
+  const std::string why = wrong_state().value("unhealthy_reason", "");
+  EXPECT_NE(why.find("'other'"), std::string::npos) << why;
+  EXPECT_NE(why.find("'dsv3'"), std::string::npos) << why;
+  const int before = wrong.requests();
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(wrong.requests(), before);
+  // Restarted with the model: its next probe readmits it.
+  wrong.set_models({"dsv3", "dsv3-lora"});
+  ASSERT_TRUE(eventually([&] { return wrong_state()["healthy"] == true; }));
+  EXPECT_FALSE(wrong_state().contains("unhealthy_reason"));
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
 // With served_model_name set, the gateway's vllm:* series carry it as model_name, as the engines'
 // do (a dashboard filtering by model_name finds both); its own tandem:* series do not.
 TEST_P(GatewayFailures, VllmSeriesNameTheServedModel) {
