@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -125,7 +126,10 @@ void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchang
   if (topo_.mode != PdMode::kAggregated && may_ask_several_choices(body) &&
       receive_choices(req, body, reply))
     return;
-  start(prepare(req, std::move(body), std::move(reply)));
+  // Apart from start(): the argument's copy of the body (freed by the caller at the end of the
+  // full expression) must not outlive the handing on of the request, which may wait long.
+  const RequestPtr r = prepare(req, std::move(body), std::move(reply));
+  start(r);
 }
 
 void FrontEnd::start(const RequestPtr& r) {
@@ -134,7 +138,7 @@ void FrontEnd::start(const RequestPtr& r) {
   exec_.post_batched([this, r] { dispatcher_.submit(r); });
 }
 
-bool FrontEnd::receive_choices(const net::HttpRequest& req, const std::string& body,
+bool FrontEnd::receive_choices(const net::HttpRequest& req, std::string& body,
                                const std::shared_ptr<ClientReply>& reply) {
   if (stopping_.load() || !api::api_key_valid(topo_.api_keys, req)) return false;
   ChoiceRequests split;
@@ -149,6 +153,7 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req, const std::string& b
     return false;  // not JSON: answered as any request
   }
   if (split.bodies.empty()) return false;
+  std::exchange(body, std::string());  // freed (clear() would keep its buffer): split from now on
   const auto merger = ChoiceMerger::create(reply, split.bodies.size(), split.repeats);
   std::string id = req.headers.get("X-Request-Id");
   // Room for the choice's "-i" within the 256 bytes a request id may have.

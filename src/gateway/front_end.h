@@ -61,7 +61,8 @@ class FrontEnd {
   void start(const RequestPtr& r);
   // P/D modes: a request for several choices, as one request per choice whose answers are
   // merged (choice_fan_out.h); false when it is not one, for prepare() to answer as any.
-  bool receive_choices(const net::HttpRequest& req, const std::string& body,
+  // `body` is freed once split into the choices' bodies.
+  bool receive_choices(const net::HttpRequest& req, std::string& body,
                        const std::shared_ptr<ClientReply>& reply);
   RequestPtr new_request(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) const;
   // `call` (method, target, body, timeouts) to an engine that is up, however busy

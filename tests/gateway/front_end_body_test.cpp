@@ -198,11 +198,13 @@ TEST_P(FrontEndBody, AWaitingRequestHoldsItsLegBodiesNotAlsoTheClientsBody) {
       << held << " bytes held for " << c.bodies_held << " bodies of " << prompt;
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, FrontEndBody,
-                         ::testing::Values(BodyCase{"Aggregated", PdMode::kAggregated, 1, 1}),
-                         [](const ::testing::TestParamInfo<BodyCase>& info) {
-                           return std::string(info.param.name);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Modes, FrontEndBody,
+    ::testing::Values(BodyCase{"Aggregated", PdMode::kAggregated, 1, 1},
+                      BodyCase{"Sequential", PdMode::kSequential, 1, 2},
+                      BodyCase{"Parallel", PdMode::kParallel, 1, 1},
+                      BodyCase{"SequentialTwoChoices", PdMode::kSequential, 2, 4}),
+    [](const ::testing::TestParamInfo<BodyCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace tandem::gateway
