@@ -1,6 +1,7 @@
 #include "cli/gateway_capacity_flags.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 
 namespace tandem::cli {
@@ -48,6 +49,13 @@ void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags) {
                  "larger later event cuts the stream (max_answer_bytes)")
       ->capture_default_str()
       ->check(held_bytes);
+  cmd.add_option("--max-body-time-ms", flags.max_body_time_ms,
+                 "a request body must be complete within this many milliseconds of its head, "
+                 "however fast it comes, else 408 (listen.max_body_time_ms); the bound applied "
+                 "is the longer of this and the time the largest body (listen.max_body_bytes, "
+                 "8 MiB by default) takes at 28 KB/s")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, gateway::kMaxMilliseconds));
   cmd.add_option("--http-threads", flags.http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, gateway::kMaxIoThreads));
@@ -71,6 +79,8 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
   if (given("--max-unsent-bytes")) t.max_unsent_bytes = flags.max_unsent_bytes;
   if (given("--max-answer-bytes")) t.max_answer_bytes = flags.max_answer_bytes;
   if (given("--http-threads")) t.io_threads = flags.http_threads;
+  if (given("--max-body-time-ms"))
+    t.max_body_time = std::chrono::milliseconds(flags.max_body_time_ms);
 }
 
 void share_among_gateway_replicas(gateway::Topology& t, int replicas,

@@ -3,6 +3,7 @@
 // one definition of each flag's name, help, default and bounds, so both commands read and bound
 // it alike and write it into the same Topology field.
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +21,7 @@ struct GatewayCapacityFlags {
   size_t max_unsent_bytes = gateway::Topology{}.max_unsent_bytes;  // --max-unsent-bytes
   size_t max_answer_bytes = gateway::Topology{}.max_answer_bytes;  // --max-answer-bytes
   int http_threads = gateway::Topology{}.io_threads;               // --http-threads
+  int64_t max_body_time_ms = gateway::Topology{}.max_body_time.count();  // --max-body-time-ms
 };
 
 // Adds the flags to `cmd`; a value out of bounds is refused as the command line is read, naming

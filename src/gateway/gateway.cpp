@@ -171,6 +171,7 @@ class Gateway::Impl {
     o.threads = topo_.io_threads;
     o.reuse_port = topo_.reuse_port;
     o.max_body_bytes = topo_.max_body_bytes;
+    o.max_body_time = topo_.max_body_time;
     o.max_unsent_bytes = topo_.max_unsent_bytes;
     o.max_connections = topo_.max_connections;
     o.max_connections_per_address = topo_.max_connections_per_address;

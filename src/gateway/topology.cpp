@@ -28,11 +28,6 @@ constexpr const char* kEndpointForms = "HOST:PORT, http://HOST:PORT or HOST:PORT
 constexpr const char* kModes = "aggregated, sequential (vllm) or parallel (sglang)";
 constexpr const char* kDialects = "auto, tandem, vllm or sglang";
 
-// Timers add durations to steady_clock's now(): a duration past this would overflow that sum
-// into a time already due (a probe re-armed for the past spins its thread, a first-token
-// deadline in the past times every request out at once). 2^31 - 1 ms is about 24.8 days.
-constexpr int64_t kMaxMilliseconds = std::numeric_limits<int32_t>::max();
-
 std::string duration_expected(int64_t min) {
   return "a duration in milliseconds " + std::to_string(min) + ".." +
          std::to_string(kMaxMilliseconds) + " (at most about 24.8 days)";
@@ -526,7 +521,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     const auto listen =
         r.mapping(keys.at("listen"), "listen",
                   {"host", "port", "io_threads", "reuse_port", "max_body_bytes", "max_unsent_bytes",
-                   "max_connections", "max_connections_per_address"});
+                   "max_connections", "max_connections_per_address", "max_body_time_ms"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
@@ -539,6 +534,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.max_body_bytes = static_cast<size_t>(
           r.integer(listen.at("max_body_bytes"), "listen.max_body_bytes", 1,
                     std::numeric_limits<long long>::max(), "a size in bytes >= 1"));
+    if (listen.count("max_body_time_ms"))
+      t.max_body_time = r.milliseconds(listen.at("max_body_time_ms"), "listen.max_body_time_ms");
     if (listen.count("max_unsent_bytes"))
       t.max_unsent_bytes = r.held_bytes(listen.at("max_unsent_bytes"), "listen.max_unsent_bytes");
     if (listen.count("max_connections"))
@@ -849,6 +846,7 @@ void validate(Topology& t) {
   if (t.io_threads < 1 || t.io_threads > kMaxIoThreads)
     invalid("listen.io_threads", io_threads_expected(), std::to_string(t.io_threads));
   if (t.max_body_bytes == 0) invalid("listen.max_body_bytes", "a size in bytes >= 1", "0");
+  check_duration(t.max_body_time, "listen.max_body_time_ms");
   for (const auto& [value, path] : {std::pair{t.max_unsent_bytes, "listen.max_unsent_bytes"},
                                     std::pair{t.max_answer_bytes, "max_answer_bytes"}})
     if (value < 1 || value > kMaxHeldBytesLimit)

@@ -134,6 +134,11 @@ struct PriorityClasses {
 // The largest value of max_unsent_bytes and max_answer_bytes: each is memory held for one client,
 // and a bound past what a machine gives one client is a typo or a unit mistake, not a setting.
 inline constexpr size_t kMaxHeldBytesLimit = size_t{16} << 30;
+// The longest duration a topology file or flag takes, in milliseconds: timers add durations to
+// steady_clock's now(), and a duration past this would overflow that sum into a time already due
+// (a probe re-armed for the past spins its thread, a first-token deadline in the past times every
+// request out at once). 2^31 - 1 ms is about 24.8 days.
+inline constexpr int64_t kMaxMilliseconds = 2147483647;
 // The most io threads (listen.io_threads, --http-threads): each holds descriptors of its own, and
 // past a machine's cores more only cost; a typo such as 100000 failed later, naming neither.
 inline constexpr int kMaxIoThreads = 64;
@@ -150,6 +155,11 @@ struct Topology {
   int io_threads = 2;       // 1 to kMaxIoThreads
   bool reuse_port = false;  // SO_REUSEPORT: replicas of this gateway may listen on the same port
   size_t max_body_bytes = size_t{8} << 20;
+  // A request's body must be complete within this time of its head, however fast it comes, else
+  // 408 (net::HttpServerOptions::max_body_time): the bound the server applies is this or the time
+  // max_body_bytes takes at 28 KB/s, whichever is longer. The file's listen.max_body_time_ms,
+  // --max-body-time-ms; 1 to kMaxMilliseconds.
+  std::chrono::milliseconds max_body_time = std::chrono::minutes(5);
   // The stream high-water mark (net::HttpServerOptions::max_unsent_bytes): a streaming client
   // this far behind its stream is cut as stalled, and its engine legs cancelled. 1 to
   // kMaxHeldBytesLimit.

@@ -51,6 +51,9 @@ const std::pair<const char*, const char*> kBadCapacityFlags[] = {
      "--max-answer-bytes: Value 17179869185 not in range 1 to 17179869184"},
     {"--http-threads 0", "--http-threads: Value 0 not in range 1 to 64"},
     {"--http-threads 65", "--http-threads: Value 65 not in range 1 to 64"},
+    {"--max-body-time-ms 0", "--max-body-time-ms: Value 0 not in range 1 to 2147483647"},
+    {"--max-body-time-ms 010",
+     "--max-body-time-ms: expected a decimal number (no leading 0 or 0x), got 010"},
 };
 
 // CLI11's own positive-number check answered 0 with "Value 0 not in range 0.000000 to " and the
@@ -270,7 +273,7 @@ TEST(CliFlags, ServeTakesTheGatewaysCapacityFlagsAndRefusesBadValuesBeforeAnythi
   // --http-threads too, whose help serve words as its own
   // (ServesHttpThreadsHelpSaysTheyAreTheGateways).
   for (const char* flag : {"--max-queue", "--max-connections", "--max-connections-per-address",
-                           "--max-unsent-bytes", "--max-answer-bytes"}) {
+                           "--max-unsent-bytes", "--max-answer-bytes", "--max-body-time-ms"}) {
     const std::string gateway_lines = help_of(gateway_help, flag);
     ASSERT_FALSE(gateway_lines.empty()) << flag << ": " << gateway_help;
     EXPECT_THAT(serve_help, HasSubstr(gateway_lines)) << flag;

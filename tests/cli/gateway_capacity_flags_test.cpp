@@ -6,6 +6,7 @@
 #include "cli/number_checks.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -132,6 +133,41 @@ TEST(GatewayCapacityFlags, TheBoundsThemselvesAreTaken) {
   EXPECT_EQ(t.max_unsent_bytes, gateway::kMaxHeldBytesLimit);
   EXPECT_EQ(t.max_answer_bytes, 1u);
   EXPECT_EQ(t.io_threads, gateway::kMaxIoThreads);
+}
+
+// The HTTP server's total bound on a body (max_body_time, 5 minutes) had no flag: a gateway
+// taking large bodies from slow clients could not raise it, nor a guarded one lower it. It lands
+// in the topology as a duration, a file's setting stays where the flag is not given, and a value
+// a file would refuse is refused naming the flag.
+TEST(GatewayCapacityFlags, MaxBodyTimeMsLandsInTheTopologyAndIsBoundedAsTheFilesKey) {
+  CapacityFlags cli;
+  ASSERT_EQ(cli.parse({"--max-body-time-ms", "600000"}), "");
+  for (bool only_given : {false, true})
+    EXPECT_EQ(cli.applied(gateway::Topology{}, only_given).max_body_time,
+              std::chrono::minutes(10))
+        << only_given;
+  gateway::Topology file;
+  file.max_body_time = std::chrono::seconds(42);
+  CapacityFlags none;
+  ASSERT_EQ(none.parse({}), "");
+  EXPECT_EQ(none.applied(file, /*only_given=*/true).max_body_time, std::chrono::seconds(42));
+  EXPECT_EQ(none.applied(file, /*only_given=*/false).max_body_time, std::chrono::minutes(5));
+  for (const auto& [value, said] : {
+           std::pair{"0", "--max-body-time-ms: Value 0 not in range 1 to 2147483647"},
+           std::pair{"-1", "--max-body-time-ms: Value -1 not in range 1 to 2147483647"},
+           std::pair{"2147483648", "--max-body-time-ms: Value 2147483648 not in range"},
+           std::pair{"0x10", "--max-body-time-ms: expected a decimal number"},
+           std::pair{"010", "--max-body-time-ms: expected a decimal number"},
+           std::pair{"1.5", "--max-body-time-ms"},
+           std::pair{"5m", "--max-body-time-ms"},
+       }) {
+    CapacityFlags bad;
+    EXPECT_THAT(bad.parse({"--max-body-time-ms", value}), HasSubstr(said)) << value;
+  }
+  CapacityFlags largest;
+  ASSERT_EQ(largest.parse({"--max-body-time-ms", "2147483647"}), "");
+  EXPECT_EQ(largest.applied(gateway::Topology{}, true).max_body_time.count(),
+            gateway::kMaxMilliseconds);
 }
 
 // CLI11 reads an integer as C's strtoll does: "010" as octal 8, "0x10" as 16. A user writes

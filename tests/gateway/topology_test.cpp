@@ -414,8 +414,8 @@ TEST(TopologyYaml, UnknownKeysAreErrors) {
       yaml_error(parallel_yaml("listen: {hots: a}\n")),
       StartsWith(
           "t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
-          "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, got an "
-          "unknown key"));
+          "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, "
+          "max_body_time_ms, got an unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
   EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),
@@ -531,6 +531,40 @@ TEST(TopologyYaml, LimitsAreChecked) {
               StartsWith("t.yaml: decode.endpoints[0].group: expected a whole number >= 0"));
   EXPECT_THAT(yaml_error("decode: {endpoints: [{host: d, port: 0}]}"),
               StartsWith("t.yaml: decode.endpoints[0].port: expected a port 1..65535, got 0"));
+}
+
+// listen.max_body_time_ms, the total bound on a request body (net's max_body_time, which had no
+// key): a duration in whole milliseconds, 1 to 2^31 - 1 as every duration; anything else is
+// refused naming the key and the range, and a topology built in code is checked likewise.
+TEST(TopologyYaml, MaxBodyTimeIsADurationInMillisecondsCheckedNamingTheKey) {
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml(), "t.yaml").max_body_time, std::chrono::minutes(5));
+  EXPECT_EQ(
+      parse_topology_yaml(parallel_yaml("listen: {max_body_time_ms: 600000}\n"), "t.yaml")
+          .max_body_time,
+      std::chrono::minutes(10));
+  const std::string range =
+      "expected a duration in milliseconds 1..2147483647 (at most about 24.8 days), got ";
+  for (const auto& [value, got] : {
+           std::pair<std::string, std::string>{"0", "0"},
+           {"-1", "-1"},
+           {"1.5", "1.5"},
+           {"0x10", "0x10"},
+           {"5m", "5m"},
+           {"2147483648", "2147483648"},
+           {"\"1000\"", "\"1000\" (a quoted string)"},
+       }) {
+    EXPECT_EQ(yaml_error(parallel_yaml("listen: {max_body_time_ms: " + value + "}\n")),
+              "t.yaml: listen.max_body_time_ms: " + range + got)
+        << value;
+  }
+  Topology t = parse_topology_yaml(parallel_yaml(), "t.yaml");
+  t.max_body_time = std::chrono::milliseconds(0);
+  try {
+    validate(t);
+    ADD_FAILURE() << "a max_body_time of 0 was taken";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("listen.max_body_time_ms: " + range + "0"));
+  }
 }
 
 // The two byte limits on what the gateway holds for one client: whole numbers of bytes from 1
