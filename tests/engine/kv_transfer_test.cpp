@@ -1561,6 +1561,39 @@ TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
 }
 
+// A pull refused for its remote_block_ids, or by a decode engine of another layout, is followed by
+// that decode engine's release of the hold (PdCoordinator::on_fetch_done: the gateway prefills
+// the prompt again), which names the same blocks and layout. A release moves no KV, so neither
+// matters to it: it frees the hold. It was refused for the same reason, and the blocks stayed
+// held until the timeout (600 s here, past the hang guard).
+TEST_F(KvTransferAgents, AReleaseAfterAPullRefusedForItsBlocksOrLayoutFreesTheHold) {
+  start(600);
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  KvFetch f = pull(id, 0, 10, local_);
+  f.remote_blocks = {5, 2, 8};
+  const KvFetchResult r = wait(fetch(f));
+  EXPECT_THAT(r.error, HasSubstr("remote_block_ids do not match"));
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+  decode_->release_remote("127.0.0.1", prefill_->port(), "prefill-0", id, f.remote_blocks);
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+
+  bool other_released = false;
+  const std::string other_id = prefill_->hold(
+      remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [&] { other_released = true; });
+  FakeExecutor other(KvLayout{"fake", 3, 8, 8});  // 8 tokens a block
+  metrics::Registry registry;
+  auto other_decode = make_decode(other, registry);
+  const KvFetchResult refused = wait(fetch(*other_decode, pull(other_id, 0, 10, {1, 2})));
+  EXPECT_THAT(refused.error, HasSubstr("block_size mismatch"));
+  other_decode->release_remote("127.0.0.1", prefill_->port(), "prefill-0", other_id, remote_);
+  EXPECT_TRUE(queue_.run_until([&] { return other_released; }));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_EQ(other.writes(), 0);
+}
+
 TEST_F(KvTransferAgents, LayoutMismatchIsNamed) {
   start();
   bool released = false;

@@ -943,7 +943,11 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
       const auto prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
       checksum = config_.checksum || req.value("checksum", false);
       auto it = held_.find(id);
-      problem = layout_mismatch(req.value("layout", json()), layout_);
+      // A pull of nothing (a decode engine's release) moves no KV: neither its layout nor its
+      // blocks matter, and it follows a pull refused for them (the decode engine lets go of what
+      // it will not pull), which would leave the hold until its timeout if refused alike.
+      const bool moves_kv = num > first;
+      if (moves_kv) problem = layout_mismatch(req.value("layout", json()), layout_);
       if (!problem.empty()) {
       } else if (engine != config_.engine_id) {
         // Another engine's transfer: most often this one restarted at its address (a new random
@@ -963,11 +967,10 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
         problem = "tokens [" + std::to_string(first) + ", " + std::to_string(num) +
                   ") are not within the " + std::to_string(it->second->num_tokens) +
                   " held tokens (block aligned start)";
-      } else if (wanted != it->second->blocks) {
+      } else if (moves_kv && wanted != it->second->blocks) {
         problem = "remote_block_ids do not match the blocks held for transfer '" + id + "'";
-      } else if (num > first && (prompt_hash != it->second->prompt_hash ||
-                                 prompt_tokens != it->second->num_tokens)) {
-        // (A pull of nothing only releases the hold: no KV lands anywhere.)
+      } else if (moves_kv && (prompt_hash != it->second->prompt_hash ||
+                              prompt_tokens != it->second->num_tokens)) {
         problem = "the decode request's prompt (" + std::to_string(prompt_tokens) +
                   " tokens) is not the prompt of transfer '" + id + "' (" +
                   std::to_string(it->second->num_tokens) + " tokens)";

@@ -149,8 +149,9 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // blamed its prefill engine, a transfer gone is no hold, and a busy engine's is pulled
     // again): a refused pull (blocks or prompt that do not match, another pull under way, a
     // layout or secret that differs) or this engine's own failure left it held until
-    // --kv-transfer-timeout. (A refusal a release meets as well, such as blocks that do not
-    // match, changes nothing: the hold expires as before.)
+    // --kv-transfer-timeout. (A release, a pull of nothing, is not held to the blocks or the
+    // layout that got the pull refused; one refused for another reason, such as a secret that
+    // differs, changes nothing: the hold expires as before.)
     if (code.empty() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
       agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
     host_.fail(seq, result.error, 502, std::string(code));
