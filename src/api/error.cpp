@@ -59,8 +59,8 @@ net::HttpResponse openai_error_response(int status, std::string_view message, st
 }
 
 std::string api_error_body(const ApiError& e) {
-  return openai_error_body(e.message, e.type.empty() ? default_error_type(e.status) : e.type, {},
-                           e.param);
+  return openai_error_body(e.message, e.type.empty() ? default_error_type(e.status) : e.type,
+                           e.code, e.param);
 }
 
 }  // namespace tandem::api

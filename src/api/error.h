@@ -15,6 +15,7 @@ struct ApiError {
   std::string message;
   std::string param;  // the offending field, when there is one
   std::string type = "invalid_request_error";
+  std::string code;  // OpenAI's error.code ("model_not_found"); empty: null
 };
 
 // {"error":{"message":...,"type":...,"param":...,"code":...}}, the error object of the OpenAI
@@ -27,6 +28,9 @@ std::string openai_error_body(std::string_view message,
 std::optional<std::string> openai_error_message(std::string_view body);
 // Its code (error.code), or nullopt when `body` is not one or the code is null.
 std::optional<std::string> openai_error_code(std::string_view body);
+
+// OpenAI's code for a request naming a model the server does not serve (a 404).
+inline constexpr std::string_view kModelNotFoundCode = "model_not_found";
 
 // The code of a P/D prefill leg's error when its bootstrap room's decode leg went away (a 502):
 // it ended before it registered, was refused, or left a registered room; the decode leg's own
@@ -61,7 +65,7 @@ std::string_view default_error_type(int status);
 net::HttpResponse openai_error_response(int status, std::string_view message, std::string_view type,
                                         std::string_view code);
 // The body of the answer to a request the parsers refused (status e.status): the field it
-// names as "param", as OpenAI does.
+// names as "param", and its code, as OpenAI does.
 std::string api_error_body(const ApiError& e);
 
 }  // namespace tandem::api

@@ -468,7 +468,7 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   auto name = m->get<std::string>();
   if (name != limits.model_name)
     throw ApiError{404, "The model `" + utf8::clip(name) + "` does not exist.", "model",
-                   "NotFoundError"};
+                   "NotFoundError", std::string(kModelNotFoundCode)};
   return name;
 }
 

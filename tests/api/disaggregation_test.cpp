@@ -26,7 +26,7 @@ ApiError error_of(const json& body) {
   } catch (const ApiError& e) {
     return e;
   }
-  return {0, "", "", ""};
+  return {0, "", "", "", ""};
 }
 
 TEST(Disaggregation, APlainRequestHasNoDisaggregationFields) {

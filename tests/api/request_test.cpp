@@ -132,6 +132,26 @@ TEST(Protocol, AnUnknownModelsNameIsClippedInThe404) {
                            std::to_string(name.size() - 256) + " bytes)` does not exist.");
 }
 
+// OpenAI's 404 for a model it does not serve has the code "model_not_found" (the openai client's
+// NotFoundError carries it); Tandem's had code null. Engine and gateway answer through
+// api_error_body, so both say it.
+TEST(Protocol, AnUnknownModelIsA404WithOpenAIsModelNotFoundCode) {
+  for (const json& body : {json{{"prompt", "x"}, {"model", "other"}}}) {
+    const ApiError e = error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+    EXPECT_EQ(e.status, 404);
+    EXPECT_EQ(openai_error_code(api_error_body(e)), std::optional<std::string>("model_not_found"));
+  }
+  const ApiError chat = error_of([&] {
+    parse_chat(json{{"model", "other"}, {"messages", {{{"role", "user"}, {"content", "Hi"}}}}},
+               tokenizer(), &chat_template(), kLimits);
+  });
+  EXPECT_EQ(openai_error_code(api_error_body(chat)), std::optional<std::string>("model_not_found"));
+  // Other refusals keep code null.
+  const ApiError other = error_of(
+      [&] { parse_completion(json{{"prompt", "x"}, {"max_tokens", 2.5}}, tokenizer(), kLimits); });
+  EXPECT_EQ(openai_error_code(api_error_body(other)), std::nullopt);
+}
+
 TEST(Protocol, LogitBiasIsParsedClampedAndCheckedAgainstTheVocabulary) {
   auto parsed = [](json bias) {
     json body = {{"prompt", "x"}, {"logit_bias", bias}};
