@@ -884,6 +884,14 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     dispatch();
     return;
   }
+  // Sequential mode, a decode stage failed for good: the prefill engine is told to let go of the
+  // prompt's KV it was sent for, whatever the leg did, as a retry from the prefill does (above):
+  // the last leg that could take it has ended. A leg that failed naming no code (its engine died
+  // mid-pull or mid-generation, its deadline) left the KV held until that engine's
+  // --kv-transfer-timeout. A client error (4xx) is the decode engine's refusal of a body it read,
+  // which lets go of the KV itself; one refused unread left it untaken (finished() frees it).
+  if (sequential_decode && retryable && !r->held_kv.empty())
+    release_held_kv(r->held_kv_endpoint, std::exchange(r->held_kv, {}), r->headers);
   const bool relay = !body.empty() && status >= 400 && read_engine_error(body).relay;
   if (message.empty()) {
     const EndpointState* e = endpoints_.find(endpoint_id);

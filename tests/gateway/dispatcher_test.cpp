@@ -2502,8 +2502,10 @@ TEST(Dispatcher, NoReleaseGoesToAVllmPrefillEngine) {
 }
 
 // A decode leg that never reached its engine left the KV with the gateway: when the retries are
-// spent on such legs, the prefill engine is told to let go. One that reached its engine and
-// failed there leaves the KV to that engine.
+// spent on such legs, the prefill engine is told to let go. So it is when the last retry's leg
+// reached its engine and failed there (its connection reset: the engine may be gone, and its pull
+// with it), as a retry from the prefill lets go of the first hold; that KV was left held until the
+// prefill engine's --kv-transfer-timeout (a hold that engine pulled answers not_held).
 TEST(Dispatcher, DecodeLegsThatNeverConnectedLeaveTheReleaseToTheGateway) {
   for (const bool reached : {false, true}) {
     Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")});
@@ -2523,7 +2525,7 @@ TEST(Dispatcher, DecodeLegsThatNeverConnectedLeaveTheReleaseToTheGateway) {
       c.clock.run_ready();
     }
     EXPECT_EQ(client->status, 502) << reached;
-    EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), reached ? 0u : 1u) << reached;
+    EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << reached;
   }
 }
 
@@ -2587,6 +2589,36 @@ TEST(Dispatcher, ADecodeLegThatFailsNamingNoEngineHasThePrefillEngineLetGo) {
   EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << "d2 took the second hold";
   EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A decode leg that fails naming no code (its engine failed mid-pull or mid-generation: a 502, or
+// its deadline) when no retry is left ends the request: the prefill engine is told to let go of the
+// prompt's KV, as a retry from the prefill does (a hold the decode engine pulled answers not_held).
+// Nothing was sent: the KV stayed held until the prefill engine's --kv-transfer-timeout.
+TEST(Dispatcher, ADecodeLegFailingWithoutACodeWithNoRetryLeftHasThePrefillEngineLetGo) {
+  for (const bool timed_out : {false, true}) {
+    Topology t = tandem_sequential_pair();
+    t.prefill_retries = 0;
+    t.timeouts.first_token = milliseconds(500);
+    Cluster c(t);
+    auto client = c.send(true);
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u);
+    if (timed_out)
+      c.clock.advance_by(milliseconds(500));
+    else
+      FakeEngines::answer(
+          *decode[0], 502,
+          api::openai_error_body("generation failed: the engine stopped", "server_error"));
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 502) << timed_out;
+    const auto releases = c.engines.all("/v1/kv_transfer/release");
+    ASSERT_EQ(releases.size(), 1u) << timed_out;
+    EXPECT_EQ(host_of(*releases[0]), "p");
+    EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+    EXPECT_EQ(c.dispatcher.active(), 0u) << timed_out;
+  }
 }
 
 // A decode engine whose HTTP server refuses the leg before any application reads it (a wrong API
@@ -2887,11 +2919,13 @@ TEST(Dispatcher, ANonStreamingLegStillConnectingAtFirstTokenMsIsRetriedNot504) {
   }
 }
 
-// A prefill engine that refuses a decode engine's pull ("too many KV transfer connections ...; try
-// again": a burst of pulls from one decode host) has that decode engine answer 502 without a code:
-// the sequential request starts again from its prefill and the client gets its answer. Each such
-// request was answered 502.
-TEST(Dispatcher, ADecodeLegWhosePullThePrefillEngineRefusedAsBusyIsRetried) {
+// A decode leg that fails with a 502 naming no code (here the text an engine without the
+// kv_transfer_busy code gives for a pull its prefill engine refused as busy: "too many KV transfer
+// connections ...; try again"; one with the code is sent again with its KV instead,
+// ADecodeLegRefusedForBusyTransfersIsSentAgainWithItsKvAfterTheBackoff) starts the sequential
+// request again from its prefill, and the client gets its answer. Each such request was answered
+// 502.
+TEST(Dispatcher, ADecodeLegFailingWithoutACodeStartsTheRequestAgainFromItsPrefill) {
   Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
   auto client = c.send();
   prefill_answers(c);
