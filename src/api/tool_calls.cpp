@@ -158,6 +158,47 @@ std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
   return call;
 }
 
+// The JSON string starting at `at` in `s` ('"'), decoded, and `at` moved past it; nullopt when
+// it does not end in `s` or is no JSON string.
+std::optional<std::string> json_string_at(std::string_view s, size_t& at) {
+  if (at >= s.size() || s[at] != '"') return std::nullopt;
+  for (size_t i = at + 1; i < s.size(); ++i) {
+    if (s[i] == '\\') {
+      ++i;
+    } else if (s[i] == '"') {
+      try {
+        const auto text = structured::parse_ordered(s.substr(at, i + 1 - at));
+        at = i + 1;
+        return text.get<std::string>();
+      } catch (const Error&) {
+        return std::nullopt;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+// A hermes call cut off once its arguments began: {"name": "<name>", "arguments": and the text
+// after that, as written (vLLM's hermes parser streams such a call's name and arguments so far).
+// nullopt when its name is unfinished or its arguments have not begun.
+std::optional<ParsedToolCalls::Call> cut_hermes_call(std::string_view body) {
+  size_t at = skip_space(body, 0);
+  auto expect = [&](char c) {
+    if (at >= body.size() || body[at] != c) return false;
+    at = skip_space(body, at + 1);
+    return true;
+  };
+  auto string = [&]() {
+    auto text = json_string_at(body, at);
+    at = skip_space(body, at);
+    return text;
+  };
+  if (!expect('{') || string() != "name" || !expect(':')) return std::nullopt;
+  auto name = string();
+  if (!name || !expect(',') || string() != "arguments" || !expect(':')) return std::nullopt;
+  return ParsedToolCalls::Call{std::move(*name), std::string(body.substr(at))};
+}
+
 }  // namespace
 
 std::string_view tool_call_format_name(ToolCallFormat format) {
@@ -407,6 +448,26 @@ void ToolCallParser::end_hermes_call(std::vector<ToolCallDelta>& out, size_t at)
   after_call_ = true;
 }
 
+// The hermes call the answer ended in, cut off (max_tokens) before its end marker: a whole call
+// cut in its end marker, or one cut in its arguments with the arguments it got. False when it is
+// neither (cut before its arguments began), for the caller to make content.
+bool ToolCallParser::end_cut_hermes_call(std::vector<ToolCallDelta>& out) {
+  std::string_view body = pending_;
+  body.remove_suffix(held_prefix(body, kHermesClose));
+  auto call = hermes_call(body);
+  if (!call) call = cut_hermes_call(body);
+  if (!call) return false;
+  call_raw_.clear();
+  ToolCallDelta d;
+  d.call = calls_++;
+  d.name = std::move(call->name);
+  d.arguments = std::move(call->arguments);
+  out.push_back(std::move(d));
+  state_ = State::kText;
+  after_call_ = true;
+  return true;
+}
+
 bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
   switch (state_) {
     case State::kText: {
@@ -549,15 +610,20 @@ std::vector<ToolCallDelta> ToolCallParser::finish() {
     case State::kText:
       emit_content(out, std::move(pending_));
       break;
-    case State::kCallArguments:  // cut off in its arguments (max_tokens): what it got
-      emit_arguments(out, std::move(pending_));
+    case State::kCallArguments:
+      // Cut off in its arguments (max_tokens): what it got, which step() emitted already. What
+      // is left is the start of the close marker ("\n```" of V3's fence), held back as markup.
+      break;
+    case State::kHermesCall:
+      if (end_cut_hermes_call(out)) break;
+      call_raw_ += pending_;
+      revert(out);
       break;
     case State::kBetweenCalls:
       if (!opens_block(call_raw_)) break;  // the calls' end marker is all that is missing
       [[fallthrough]];
     case State::kCallType:
     case State::kCallName:
-    case State::kHermesCall:
       call_raw_ += pending_;
       revert(out);
       break;

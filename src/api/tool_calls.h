@@ -63,8 +63,9 @@ class ToolCallParser {
 
   // The next text of the answer. Text that may still turn out to be markup is held back.
   std::vector<ToolCallDelta> feed(std::string_view text);
-  // The answer ended: what was held back. A call cut off before its name is complete stays
-  // content, as written; one cut off in its arguments keeps the arguments it got.
+  // The answer ended: what was held back. A call cut off before its name is complete (a hermes
+  // call: before its "arguments" began) stays content, as written; one cut off in its arguments
+  // keeps the arguments it got, without the start of a close marker.
   std::vector<ToolCallDelta> finish();
   int calls() const { return calls_; }
 
@@ -79,6 +80,7 @@ class ToolCallParser {
   void revert(std::vector<ToolCallDelta>& out);
   size_t find_hermes_close();
   void end_hermes_call(std::vector<ToolCallDelta>& out, size_t at);
+  bool end_cut_hermes_call(std::vector<ToolCallDelta>& out);
 
   ToolCallFormat format_;
   State state_ = State::kText;

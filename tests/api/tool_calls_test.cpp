@@ -231,6 +231,56 @@ TEST(ToolCalls, ACallCutOffInItsArgumentsKeepsWhatItGot) {
   EXPECT_EQ(q.content, "");
 }
 
+// A call cut off by max_tokens keeps what it got, in each markup, whole and streamed: the markup
+// never leaks into the content, and the held-back start of a close marker is not argument text.
+// DeepSeek-V3 cut after its arguments' closing fence ("\n```", the start of its close marker)
+// had "\n```" appended to the arguments, so JSON.parse failed; a hermes call cut in its arguments
+// (a named or required tool_choice at max_tokens 20) was content "<tool_call>\n{\"name\": ...",
+// no call. vLLM answers a named tool_choice with the call and its arguments so far, and its
+// hermes parser streams a cut call's name and partial arguments.
+TEST(ToolCalls, ACallCutOffByMaxTokensIsACallWithTheArgumentsItGot) {
+  const ParsedToolCalls fenced =
+      parse_every_way(ToolCallFormat::kDeepSeekV3,
+                      kBegin + kCall + "function" + kSep + "f\n```json\n{\"a\": 1}\n```");
+  EXPECT_EQ(fenced.content, "");
+  ASSERT_EQ(fenced.calls.size(), 1u);
+  EXPECT_EQ(fenced.calls[0].arguments, "{\"a\": 1}");
+  const ParsedToolCalls v31 =
+      parse_every_way(ToolCallFormat::kDeepSeekV31, kBegin + kCall + "f" + kSep + "{\"a\": 1}");
+  ASSERT_EQ(v31.calls.size(), 1u);
+  EXPECT_EQ(v31.calls[0].arguments, "{\"a\": 1}");
+
+  const std::string weather = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\":";
+  for (const auto& [answer, arguments] : std::vector<std::pair<std::string, std::string>>{
+           {weather, ""},
+           {weather + " {\"city\": \"Par", "{\"city\": \"Par"},
+           {weather + " {\"city\": \"Paris\"}}\n</tool_", "{\"city\": \"Paris\"}"},
+           {weather + " {\"city\": \"Paris\"}}", "{\"city\": \"Paris\"}"}}) {
+    SCOPED_TRACE(answer);
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+    EXPECT_EQ(p.content, "");
+    ASSERT_EQ(p.calls.size(), 1u);
+    EXPECT_EQ(p.calls[0].name, "get_weather");
+    EXPECT_EQ(p.calls[0].arguments, arguments);
+  }
+  // tool_choice "required" whose second call was cut: two calls, no content.
+  const ParsedToolCalls two = parse_every_way(
+      ToolCallFormat::kHermes,
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n" + weather + " {\"ci");
+  EXPECT_EQ(two.content, "");
+  ASSERT_EQ(two.calls.size(), 2u);
+  EXPECT_EQ(two.calls[0].arguments, "{}");
+  EXPECT_EQ(two.calls[1].name, "get_weather");
+  EXPECT_EQ(two.calls[1].arguments, "{\"ci");
+  // Cut before its arguments began (or its name ended), it is not read as a call: content.
+  for (const std::string& answer : {std::string("<tool_call>\n{\"name\": \"get_weather\", \"argu"),
+                                    std::string("<tool_call>\n{\"name\": \"get_wea")}) {
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+    EXPECT_EQ(p.content, answer);
+    EXPECT_TRUE(p.calls.empty());
+  }
+}
+
 // Hermes arguments are the model's text as written: a JSON round trip would round integers past
 // 64 bits (an id, a big number a tool takes as such) and change the model's layout.
 TEST(ToolCalls, HermesArgumentsKeepTheModelsTextExactly) {
