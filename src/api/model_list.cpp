@@ -1,6 +1,7 @@
 #include "api/model_list.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include <nlohmann/json.hpp>
 
@@ -11,14 +12,48 @@ namespace tandem::api {
 
 using nlohmann::json;
 
-std::string model_list_json(const ModelCard& model) {
+namespace {
+
+json model_object(const ModelCard& model) {
   json m = {{"id", model.id},       {"object", "model"}, {"created", model.created},
             {"owned_by", "tandem"}, {"root", model.id},  {"parent", nullptr}};
   if (model.max_model_len > 0) m["max_model_len"] = model.max_model_len;
-  // Replace, not throw, on invalid UTF-8, as the completion path writes text: a model name that
-  // is no UTF-8 must not turn the list into a 500.
-  return json{{"object", "list"}, {"data", json::array({m})}}.dump(-1, ' ', false,
-                                                                   json::error_handler_t::replace);
+  return m;
+}
+
+// Replace, not throw, on invalid UTF-8, as the completion path writes text: a model name that is
+// no UTF-8 must not turn the answer into a 500.
+std::string dumped(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace
+
+std::string model_list_json(const ModelCard& model) {
+  return dumped(json{{"object", "list"}, {"data", json::array({model_object(model)})}});
+}
+
+std::string model_json(const ModelCard& model) {
+  return dumped(model_object(model));
+}
+
+std::vector<std::string> model_paths(std::string_view id) {
+  std::vector<std::string> paths = {"/v1/models/" + std::string(id)};
+  // encodeURIComponent's form: the openai client (v5) sends "Qwen/Qwen3-8B" as Qwen%2FQwen3-8B,
+  // and the server decodes only the escapes of unreserved characters.
+  std::string encoded = "/v1/models/";
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  for (const unsigned char c : id) {
+    if (std::isalnum(c) || std::string_view("-_.!~*'()").find(char(c)) != std::string_view::npos) {
+      encoded += char(c);
+    } else {
+      encoded += '%';
+      encoded += kHex[c >> 4];
+      encoded += kHex[c & 15];
+    }
+  }
+  if (encoded != paths[0]) paths.push_back(encoded);
+  return paths;
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tandem::api {
 
@@ -18,6 +19,11 @@ struct ModelCard {
 
 // The list body of one model.
 std::string model_list_json(const ModelCard& model);
+// GET /v1/models/{id}'s body (the openai client's models.retrieve): the model object alone.
+std::string model_json(const ModelCard& model);
+// The paths GET /v1/models/{id} of model `id` arrives at: the id as it is, and percent-encoded
+// as encodeURIComponent writes it when that differs (a name with '/').
+std::vector<std::string> model_paths(std::string_view id);
 
 // The least `max_model_len` of a list body's models (an engine may serve several names); nullopt
 // when the body is not a model list or no model says one (an older or foreign server).

@@ -162,6 +162,11 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
           ex->respond(200,
                       api::model_list_json({info.model_name, created_, engine_.max_model_len()}));
         });
+  // (Another id's path has no route: the server's 404, without OpenAI's model_not_found code.)
+  for (const std::string& path : api::model_paths(info.model_name))
+    route("GET", path, [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+      ex->respond(200, api::model_json({info.model_name, created_, engine_.max_model_len()}));
+    });
   route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
   });

@@ -26,6 +26,20 @@ TEST(ModelList, WhatAnEngineWritesReadsBack) {
   EXPECT_EQ(max_model_len_of(unsaid.dump()), std::nullopt);
 }
 
+// GET /v1/models/{id} answers the model object alone, at the id as it is and, for a name with a
+// character encodeURIComponent escapes ('/' in "Qwen/Qwen3-8B"), at the escaped path the openai
+// client sends too.
+TEST(ModelList, OneModelIsRetrievedAtItsIdAsItIsAndEncoded) {
+  const json m = json::parse(model_json({"Qwen/Qwen3-8B", 1700000000, 4096}));
+  EXPECT_EQ(m["id"], "Qwen/Qwen3-8B");
+  EXPECT_EQ(m["object"], "model");
+  EXPECT_EQ(m["max_model_len"], 4096);
+  EXPECT_EQ(m, json::parse(model_list_json({"Qwen/Qwen3-8B", 1700000000, 4096}))["data"][0]);
+  EXPECT_EQ(model_paths("Qwen/Qwen3-8B"),
+            (std::vector<std::string>{"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B"}));
+  EXPECT_EQ(model_paths("deepseek-v3"), std::vector<std::string>{"/v1/models/deepseek-v3"});
+}
+
 // A model name that is no UTF-8 (refused at startup, but the list must not depend on that) is
 // written with U+FFFD for its bad bytes, as the completion path writes text, not thrown as a 500.
 TEST(ModelList, AModelNameThatIsNoUtf8IsWrittenWithReplacements) {

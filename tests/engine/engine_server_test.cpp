@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/block_hash.h"
+#include "api/error.h"
 #include "api/prefill_work.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
@@ -682,6 +683,21 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
                                  "127.0.0.1", "--port", "0", "--num-kv-blocks", "64"});
   EXPECT_EQ(get_json(engine.port(), "/v1/models")["data"][0]["id"], "sim:tiny");
+  // The openai client's models.retrieve: GET /v1/models/{id}, the id as it is or encoded as
+  // encodeURIComponent writes it; another id is a 404, as a request naming it is (with OpenAI's
+  // model_not_found code there).
+  for (const char* path : {"/v1/models/sim:tiny", "/v1/models/sim%3Atiny"}) {
+    SCOPED_TRACE(path);
+    const json model = get_json(engine.port(), path);
+    EXPECT_EQ(model["id"], "sim:tiny");
+    EXPECT_EQ(model["object"], "model");
+    EXPECT_GT(model["max_model_len"].get<int64_t>(), 0);
+  }
+  EXPECT_EQ(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/models/other").status, 404);
+  const auto unknown = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions",
+                                         R"({"model": "other", "prompt": "x"})");
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_EQ(api::openai_error_code(unknown.body), std::optional<std::string>("model_not_found"));
   auto ask = [&](const std::string& prompt) {
     json body = {{"prompt", prompt}, {"max_tokens", 20}, {"stop", json::array()}};
     auto resp =
