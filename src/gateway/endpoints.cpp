@@ -120,13 +120,17 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
     if (other.draining && other.prefill == prefill && other.config.name == s.config.name) {
       other.healthy_gauge = &detached_gauge_;
       other.in_flight_gauge = &detached_gauge_;
+      other.draining_gauge = &detached_gauge_;
     }
   s.in_flight_gauge = &metrics_.endpoint_in_flight.labels(labels);
   s.healthy_gauge = &metrics_.endpoint_healthy.labels(labels);
   s.requests_total = &metrics_.endpoint_requests.labels(labels);
   s.failures_total = &metrics_.endpoint_failures.labels(labels);
   s.overloaded_total = &metrics_.endpoint_overloaded.labels(labels);
+  s.draining_gauge = &metrics_.endpoint_draining.labels(labels);
+  s.ejections_total = &metrics_.endpoint_ejections.labels(labels);
   s.healthy_gauge->set(1);
+  s.draining_gauge->set(0);
   s.in_flight_gauge->set(0);
   if (consumer) consumers_[id] = std::move(consumer);
   endpoints_.emplace(id, std::move(s));
@@ -312,15 +316,22 @@ void EndpointTable::failure_since(EndpointState& e, Clock::time_point since) {
   if (e.probe_passed > since) {
     e.overloaded_total->inc();
   } else {
-    failure(e);
+    failure(e, "a request that timed out");
   }
 }
 
-void EndpointTable::failure(EndpointState& e) {
+void EndpointTable::failure(EndpointState& e, const char* what) {
   e.failures_total->inc();
   if (++e.consecutive_failures >= topo_.health.failures_to_eject && e.healthy) {
+    // Said, as nginx says "upstream server temporarily disabled": an operator sees when and why
+    // an engine stopped taking requests, and when it came back.
+    std::fprintf(stderr,
+                 "tandem gateway: engine %s ejected after %d failures in a row (the last: %s); "
+                 "a passing health probe readmits it\n",
+                 e.config.name.c_str(), e.consecutive_failures, what);
     e.healthy = false;
     e.healthy_gauge->set(0);
+    e.ejections_total->inc();
     update_ready();
   }
 }
@@ -332,7 +343,7 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (!ok) {
     const bool was_healthy = e->healthy, was_failing = e->probe_failed;
     e->probe_failed = true;
-    failure(*e);
+    failure(*e, "a failed health probe");
     return !e->healthy && (was_healthy || !was_failing);
   }
   e->probe_failed = false;
@@ -345,6 +356,8 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     return false;
   }
   if (e->healthy) return false;
+  std::fprintf(stderr, "tandem gateway: engine %s readmitted: its health probe passed\n",
+               e->config.name.c_str());
   readmit(*e, now);
   return true;
 }
@@ -362,7 +375,7 @@ void EndpointTable::readmit(EndpointState& e, Clock::time_point now) {
   }
   e.length_query = LengthQuery::kToAsk;
   e.max_model_len = 0;
-  if (!e.draining) e.healthy_gauge->set(1);
+  e.healthy_gauge->set(1);
   update_ready();
 }
 
@@ -380,6 +393,7 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
       std::fprintf(stderr, "tandem gateway: engine %s ejected: %s\n", e->config.name.c_str(),
                    not_serving.c_str());
     changed = e->healthy;
+    if (e->healthy) e->ejections_total->inc();
     e->healthy = false;
     e->healthy_gauge->set(0);
     e->not_serving = std::move(not_serving);
@@ -498,6 +512,8 @@ void EndpointTable::forget(int id) {
       const std::vector<std::string> labels = {e->prefill ? "prefill" : "decode", e->config.name};
       metrics_.endpoint_in_flight.remove(labels);
       metrics_.endpoint_healthy.remove(labels);
+      metrics_.endpoint_draining.remove(labels);
+      metrics_.endpoint_ejections.remove(labels);
       metrics_.endpoint_requests.remove(labels);
       metrics_.endpoint_failures.remove(labels);
       metrics_.endpoint_overloaded.remove(labels);
@@ -514,7 +530,7 @@ bool EndpointTable::drain(int id) {
   EndpointState* e = find(id);
   if (!e || e->draining) return false;
   e->draining = true;
-  e->healthy_gauge->set(0);
+  e->draining_gauge->set(1);  // its health stays as checked: a planned drain is no outage
   // Its in-flight gauge keeps counting the legs that still run, down to 0 as they end, unless
   // the name comes back (admin add, reload) before it leaves: join() then gives the labelled
   // gauges to the newcomer.

@@ -80,6 +80,8 @@ struct EndpointState {
   std::string not_serving;
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
+  metrics::Gauge* draining_gauge = nullptr;
+  metrics::IntCounter* ejections_total = nullptr;
   metrics::IntCounter* requests_total = nullptr;
   metrics::IntCounter* failures_total = nullptr;
   metrics::IntCounter* overloaded_total = nullptr;
@@ -157,8 +159,9 @@ class EndpointTable {
   // A busy engine (429/503), or one whose leg timed out but whose probe passed since the leg was
   // sent, is overloaded: counted, never ejected for it. Other failures count toward ejection.
   void leg_finished(const Leg& leg, LegOutcome outcome);
-  // A failed leg or probe: ejects the engine after health.failures_to_eject in a row.
-  void failure(EndpointState& e);
+  // A failed leg or probe (`what`, for the stderr line of an ejection: "a failed request"):
+  // ejects the engine after health.failures_to_eject in a row.
+  void failure(EndpointState& e, const char* what = "a failed request");
   // A failure that may be load: an engine that passed a health probe since `since` is alive and
   // counts as overloaded, else as failing (towards ejection).
   void failure_since(EndpointState& e, Clock::time_point since);

@@ -62,9 +62,20 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_na
                             "Attempts started again on other engines after a failure.")),
       endpoint_in_flight(r.gauge_family("tandem:gateway_endpoint_in_flight",
                                         "Requests in flight per engine.", {"pool", "endpoint"})),
-      endpoint_healthy(r.gauge_family("tandem:gateway_endpoint_healthy",
-                                      "1 while an engine is eligible, 0 while ejected or removed.",
-                                      {"pool", "endpoint"})),
+      endpoint_healthy(r.gauge_family(
+          "tandem:gateway_endpoint_healthy",
+          "1 while an engine passes its health checks, 0 while ejected (a draining engine keeps "
+          "its health: see tandem:gateway_endpoint_draining).",
+          {"pool", "endpoint"})),
+      endpoint_draining(r.gauge_family(
+          "tandem:gateway_endpoint_draining",
+          "1 while an engine removed (admin API or reload) finishes its requests, else 0.",
+          {"pool", "endpoint"})),
+      endpoint_ejections(r.int_counter_family(
+          "tandem:gateway_endpoint_ejections_total",
+          "Times an engine was ejected: after health.failures_to_eject failed legs or probes in a "
+          "row, or for a model list without the served model.",
+          {"pool", "endpoint"})),
       endpoint_requests(r.int_counter_family("tandem:gateway_endpoint_requests_total",
                                              "Legs sent per engine.", {"pool", "endpoint"})),
       endpoint_failures(r.int_counter_family("tandem:gateway_endpoint_failures_total",

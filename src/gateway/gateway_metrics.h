@@ -23,6 +23,8 @@ struct GatewayMetrics {
   metrics::IntCounter& retries;
   metrics::Family<metrics::Gauge>& endpoint_in_flight;
   metrics::Family<metrics::Gauge>& endpoint_healthy;
+  metrics::Family<metrics::Gauge>& endpoint_draining;
+  metrics::Family<metrics::IntCounter>& endpoint_ejections;
   metrics::Family<metrics::IntCounter>& endpoint_requests;
   metrics::Family<metrics::IntCounter>& endpoint_failures;
   metrics::Family<metrics::IntCounter>& endpoint_overloaded;

@@ -631,6 +631,10 @@ TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
   const int before = a.requests();
   for (int i = 0; i < 4; ++i) EXPECT_EQ(post(completion()).status, 200);
   EXPECT_EQ(a.requests(), before);  // all went to b
+  // The ejection is counted (its stderr line is not read here).
+  EXPECT_EQ(metric("tandem:gateway_endpoint_ejections_total{pool=\"decode\",endpoint=\"a\"}"), 1);
+  EXPECT_EQ(metric("tandem:gateway_endpoint_ejections_total{pool=\"decode\",endpoint=\"b\"}"), 0);
+  EXPECT_EQ(metric("tandem:gateway_endpoint_healthy{pool=\"decode\",endpoint=\"a\"}"), 0);
   // A passing probe readmits it.
   a.set_healthy(true);
   ASSERT_TRUE(eventually([&] {
@@ -658,7 +662,8 @@ TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
 TEST_P(GatewayFailures, AnEngineServingAnotherModelIsNotAdmitted) {
   FakeEngine right("right"), wrong("wrong");
   right.set_models({"dsv3"});
-  wrong.set_models({"other"});
+  // vLLM's list (an auto pool): vLLM refuses a request naming a model it does not list.
+  wrong.set_models({"other"}, {{"owned_by", "vllm"}});
   auto t = topology(PdMode::kAggregated);
   t.served_model_name = "dsv3";
   t.decode.endpoints = {endpoint_of(right, "right")};
@@ -684,6 +689,51 @@ TEST_P(GatewayFailures, AnEngineServingAnotherModelIsNotAdmitted) {
   ASSERT_TRUE(eventually([&] { return wrong_state()["healthy"] == true; }));
   EXPECT_FALSE(wrong_state().contains("unhealthy_reason"));
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+// SGLang (and TGI, llama.cpp) list their model path but serve a request naming any model: with
+// served_model_name an alias, such an engine serves it, so the model check keeps it (an sglang pool,
+// or an auto pool whose engine's list says owned_by "sglang"). A tandem pool's engine, which
+// refuses an unknown name, is ejected for the same list, naming why.
+TEST_P(GatewayFailures, TheModelCheckEjectsOnlyEnginesThatRefuseAnUnknownName) {
+  struct Case {
+    Dialect dialect;
+    json fields;
+    bool kept;
+  };
+  const Case cases[] = {{Dialect::kSglang, {{"owned_by", "sglang"}}, true},
+                        {Dialect::kSglang, json::object(), true},
+                        {Dialect::kAuto, {{"owned_by", "sglang"}}, true},
+                        {Dialect::kAuto, json::object(), true},
+                        {Dialect::kTandem, json::object(), false},
+                        {Dialect::kVllm, {{"owned_by", "vllm"}}, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(dialect_name(c.dialect)) + " " + c.fields.dump());
+    FakeEngine engine("e");
+    json fields = c.fields;
+    fields["max_model_len"] = 4096;  // in /admin/endpoints once the list was read
+    engine.set_models({"/models/DeepSeek-V3"}, fields);
+    auto t = topology(PdMode::kAggregated);
+    t.served_model_name = "dsv3";
+    t.decode.dialect = c.dialect;
+    t.decode.endpoints = {endpoint_of(engine, "e")};
+    start(t);
+    auto state = [&] { return endpoints().at(0); };
+    if (c.kept) {
+      ASSERT_TRUE(eventually([&] { return state().value("max_model_len", 0) == 4096; }));
+      EXPECT_EQ(state()["healthy"], true);
+      EXPECT_FALSE(state().contains("unhealthy_reason"));
+      const int before = engine.requests();
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(post(completion()).status, 200);
+      EXPECT_EQ(engine.requests(), before + 3);
+    } else {
+      ASSERT_TRUE(eventually([&] { return state()["healthy"] == false; }));
+      const std::string why = state().value("unhealthy_reason", "");
+      EXPECT_NE(why.find("'/models/DeepSeek-V3'"), std::string::npos) << why;
+      EXPECT_NE(why.find("'dsv3'"), std::string::npos) << why;
+    }
+    gw_.reset();
+  }
 }
 
 // With served_model_name set, the gateway's vllm:* series carry it as model_name, as the engines'
@@ -835,6 +885,11 @@ TEST_P(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
   r = admin("POST", "/admin/endpoints/remove", json{{"name", "a"}}.dump());
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(json::parse(r.body)["draining_requests"], 1);
+  // A planned drain is no outage: a stays healthy in /metrics, as in /admin/endpoints, and says
+  // it drains.
+  EXPECT_EQ(metric("tandem:gateway_endpoint_healthy{pool=\"decode\",endpoint=\"a\"}"), 1);
+  EXPECT_EQ(metric("tandem:gateway_endpoint_draining{pool=\"decode\",endpoint=\"a\"}"), 1);
+  EXPECT_EQ(metric("tandem:gateway_endpoint_draining{pool=\"decode\",endpoint=\"b\"}"), 0);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(post(completion()).status, 200);
   EXPECT_EQ(b.requests(), 3);
   a.release();
