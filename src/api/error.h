@@ -15,7 +15,7 @@ struct ApiError {
   std::string message;
   std::string param;  // the offending field, when there is one
   std::string type = "invalid_request_error";
-  std::string code;  // OpenAI's error.code ("model_not_found"); empty: null
+  std::string code = {};  // OpenAI's error.code ("model_not_found"); empty: null
 };
 
 // {"error":{"message":...,"type":...,"param":...,"code":...}}, the error object of the OpenAI
