@@ -39,6 +39,7 @@
 #include "net/http_client.h"
 #include "util/child_process.h"
 #include "util/error.h"
+#include "util/metrics.h"
 #include "util/secret.h"
 #include "util/utf8.h"
 
@@ -367,18 +368,22 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   std::vector<std::unique_ptr<gateway::Gateway>> gateways;
   // An admin change through the replica a connection reached applies to every replica.
   std::shared_ptr<gateway::AdminReplicas> admin_replicas;
+  // A scrape reaches one replica (on a keep-alive connection always the same one) and shows every
+  // replica's series, each with its gateway_replica label (sum over it for totals).
+  std::shared_ptr<metrics::RegistryGroup> metrics_replicas;
   if (o.gateways > 1) {
     admin_replicas = std::make_shared<gateway::AdminReplicas>(static_cast<size_t>(o.gateways));
+    metrics_replicas = std::make_shared<metrics::RegistryGroup>();
     g.reuse_port = true;
     share_among_gateway_replicas(g, o.gateways, descriptor_limit());
   }
   for (int i = 0; i < o.gateways; ++i) {
     gateway::Topology replica = g;
     replica.access_log = replica_access_log(g.access_log, i);
-    // Each replica counts for itself: a scrape of the shared port reads one of them, so their
-    // series are told apart (sum over gateway_replica for totals).
+    // Each replica counts for itself, its series told apart by their gateway_replica label.
     if (o.gateways > 1) replica.metrics_replica = std::to_string(i);
-    gateways.push_back(std::make_unique<gateway::Gateway>(replica, std::string(), admin_replicas));
+    gateways.push_back(std::make_unique<gateway::Gateway>(replica, std::string(), admin_replicas,
+                                                          metrics_replicas));
     gateways.back()->start();
     g.port = gateways.front()->port();  // the others join the first one's port
   }

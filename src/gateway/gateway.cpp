@@ -47,12 +47,14 @@ std::unique_ptr<Policy> policy_of(const Topology& t, const std::string& config_p
 // The parts wired together: who owns what and in which order they start and stop.
 class Gateway::Impl {
  public:
-  Impl(Topology topology, std::string config_path, std::shared_ptr<AdminReplicas> replicas)
+  Impl(Topology topology, std::string config_path, std::shared_ptr<AdminReplicas> replicas,
+       std::shared_ptr<metrics::RegistryGroup> metrics_group)
       : topo_((validate(topology), std::move(topology))),
         policy_(policy_of(topo_, config_path)),
         registry_(topo_.metrics_replica.empty()
                       ? metrics::LabelPairs{}
-                      : metrics::LabelPairs{{"gateway_replica", topo_.metrics_replica}}),
+                      : metrics::LabelPairs{{"gateway_replica", topo_.metrics_replica}},
+                  std::move(metrics_group)),
         metrics_(registry_, topo_.served_model_name),
         tokenizer_(topo_.model.empty()
                        ? nullptr
@@ -215,9 +217,10 @@ class Gateway::Impl {
 };
 
 Gateway::Gateway(Topology topology, std::string config_path,
-                 std::shared_ptr<AdminReplicas> replicas)
-    : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path),
-                                   std::move(replicas))) {}
+                 std::shared_ptr<AdminReplicas> replicas,
+                 std::shared_ptr<metrics::RegistryGroup> metrics_group)
+    : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path), std::move(replicas),
+                                   std::move(metrics_group))) {}
 Gateway::~Gateway() {
   stop(std::chrono::milliseconds::zero());
 }

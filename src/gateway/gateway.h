@@ -27,6 +27,7 @@
 #include <string>
 
 #include "gateway/topology.h"
+#include "util/metrics.h"
 
 namespace tandem::gateway {
 
@@ -36,10 +37,12 @@ class Gateway {
  public:
   // `config_path`: the topology file to re-read on /admin/reload (empty: reload is refused).
   // `replicas`: for replicas behind one port, the set every replica is built with, so an admin
-  // change through any of them applies to all (null: alone). Throws tandem::Error for an
-  // inconsistent topology or an unreadable model folder.
+  // change through any of them applies to all (null: alone). `metrics_group`: for replicas behind
+  // one port, the group whose every replica's series a scrape of any of them shows (null: its
+  // own only). Throws tandem::Error for an inconsistent topology or an unreadable model folder.
   explicit Gateway(Topology topology, std::string config_path = {},
-                   std::shared_ptr<AdminReplicas> replicas = nullptr);
+                   std::shared_ptr<AdminReplicas> replicas = nullptr,
+                   std::shared_ptr<metrics::RegistryGroup> metrics_group = nullptr);
   ~Gateway();
   Gateway(const Gateway&) = delete;
   Gateway& operator=(const Gateway&) = delete;

@@ -286,7 +286,7 @@ bool Family<Metric>::remove(const std::vector<std::string>& values) {
 }
 
 template <class Metric>
-void Family<Metric>::render(std::string& out) const {
+void Family<Metric>::render_header(std::string& out) const {
   out += "# HELP ";
   out += name_;
   if (!help_.empty()) {
@@ -298,7 +298,10 @@ void Family<Metric>::render(std::string& out) const {
   out += ' ';
   out += type_name<Metric>();
   out += '\n';
+}
 
+template <class Metric>
+void Family<Metric>::render_samples(std::string& out) const {
   std::lock_guard lock(mutex_);
   for (const auto& [values, child] : children_) {
     const std::string labels = open_label_set(const_labels_, label_names_, values);
@@ -335,7 +338,10 @@ template class Family<Histogram>;
 
 Registry::Registry() = default;
 
-Registry::Registry(LabelPairs const_labels) : const_labels_(std::move(const_labels)) {
+Registry::Registry(LabelPairs const_labels) : Registry(std::move(const_labels), nullptr) {}
+
+Registry::Registry(LabelPairs const_labels, std::shared_ptr<RegistryGroup> group)
+    : const_labels_(std::move(const_labels)), group_(std::move(group)) {
   std::set<std::string> seen;
   for (const auto& [label, value] : const_labels_) {
     if (!valid_label_name(label)) {
@@ -349,8 +355,19 @@ Registry::Registry(LabelPairs const_labels) : const_labels_(std::move(const_labe
       throw Error("metrics registry: label name \"" + label + "\" appears twice");
     }
   }
+  if (group_) {
+    std::lock_guard lock(group_->mutex_);
+    group_->members_.push_back(this);
+  }
 }
-Registry::~Registry() = default;
+
+Registry::~Registry() {
+  // Before the families go: a member's scrape may be rendering them.
+  if (group_) {
+    std::lock_guard lock(group_->mutex_);
+    std::erase(group_->members_, this);
+  }
+}
 
 template <class Metric>
 Family<Metric>& Registry::add_family(std::string name, std::string help,
@@ -451,9 +468,36 @@ Family<Histogram>& Registry::histogram_family(std::string name, std::string help
 }
 
 std::string Registry::render() const {
+  if (group_) return group_->render();
   std::string out;
+  for (const detail::FamilyBase* family : families()) family->render(out);
+  return out;
+}
+
+std::vector<const detail::FamilyBase*> Registry::families() const {
   std::lock_guard lock(mutex_);
-  for (const auto& family : families_) family->render(out);
+  std::vector<const detail::FamilyBase*> out;
+  out.reserve(families_.size());
+  for (const auto& family : families_) out.push_back(family.get());
+  return out;
+}
+
+std::string RegistryGroup::render() const {
+  std::lock_guard lock(mutex_);
+  // Each name's families, by member, in the order the names first appear.
+  std::vector<std::vector<const detail::FamilyBase*>> by_name;
+  std::map<std::string_view, size_t> index;
+  for (const Registry* member : members_)
+    for (const detail::FamilyBase* family : member->families()) {
+      const auto [it, added] = index.try_emplace(family->name(), by_name.size());
+      if (added) by_name.emplace_back();
+      by_name[it->second].push_back(family);
+    }
+  std::string out;
+  for (const auto& families : by_name) {
+    families.front()->render_header(out);
+    for (const detail::FamilyBase* family : families) family->render_samples(out);
+  }
   return out;
 }
 

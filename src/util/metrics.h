@@ -11,6 +11,9 @@
 //   port, so that their series stay apart). `Family::labels(values)` returns the child for one set
 //   of label values, created on first use; the unlabeled helpers (`Registry::counter` ...) return
 //   the single child of a family without label names.
+// - Registries in one RegistryGroup (replicas of one server in one process, behind one port) are
+//   scraped together: each one's render() shows every member's series, whichever replica the
+//   scrape reached, as vLLM's API servers merge their processes into one /metrics.
 // - Updates are lock-free atomics for counters and gauges and take a per-histogram mutex for
 //   histograms (so a scrape always sees `_count` equal to the `+Inf` bucket). Child lookup takes
 //   a per-family mutex: keep the returned reference instead of looking it up per event.
@@ -112,7 +115,14 @@ namespace detail {
 class FamilyBase {
  public:
   virtual ~FamilyBase() = default;
-  virtual void render(std::string& out) const = 0;
+  virtual const std::string& name() const = 0;
+  // `# HELP` and `# TYPE`, then the samples.
+  void render(std::string& out) const {
+    render_header(out);
+    render_samples(out);
+  }
+  virtual void render_header(std::string& out) const = 0;
+  virtual void render_samples(std::string& out) const = 0;
 };
 }  // namespace detail
 
@@ -129,10 +139,11 @@ class Family final : public detail::FamilyBase {
   // nothing writes to that child any more.
   bool remove(const std::vector<std::string>& values);
 
-  const std::string& name() const { return name_; }
+  const std::string& name() const override { return name_; }
   const std::vector<std::string>& label_names() const { return label_names_; }
 
-  void render(std::string& out) const override;
+  void render_header(std::string& out) const override;
+  void render_samples(std::string& out) const override;
 
  private:
   friend class Registry;
@@ -149,6 +160,28 @@ class Family final : public detail::FamilyBase {
   std::map<std::vector<std::string>, Metric*> index_;
 };
 
+class Registry;
+
+// Registries scraped as one: every member's render() shows the families of all members, merged
+// by name (a family's `# HELP` and `# TYPE` once, from the member that registered it first, then
+// every member's samples of it, so that its lines stay together as the text format requires).
+// Members tell their series apart by their constant labels (gateway_replica); a name must be
+// the same kind of metric in every member. Registries join when built with the group and leave
+// when destroyed; the group may outlive them.
+class RegistryGroup {
+ public:
+  RegistryGroup() = default;
+  RegistryGroup(const RegistryGroup&) = delete;
+  RegistryGroup& operator=(const RegistryGroup&) = delete;
+
+ private:
+  friend class Registry;
+  std::string render() const;
+
+  mutable std::mutex mutex_;              // held while a member is rendered or leaves
+  std::vector<const Registry*> members_;  // in joining order
+};
+
 class Registry {
  public:
   static constexpr std::string_view kContentType = "text/plain; version=0.0.4; charset=utf-8";
@@ -158,6 +191,8 @@ class Registry {
   // tandem::Error for an invalid or repeated label name; a family that names one of them too
   // is refused when it registers.
   explicit Registry(LabelPairs const_labels);
+  // A member of `group` (null: alone) from now until destroyed.
+  Registry(LabelPairs const_labels, std::shared_ptr<RegistryGroup> group);
   ~Registry();
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
@@ -185,9 +220,14 @@ class Registry {
 
   // All families in registration order: `# HELP`, `# TYPE`, then one line per sample (children
   // in creation order; histograms as cumulative `_bucket{le=...}` incl. "+Inf", `_sum`, `_count`).
+  // In a group: every member's, merged (RegistryGroup).
   std::string render() const;
 
  private:
+  friend class RegistryGroup;
+  // The families, in registration order (a family, once registered, lives as long as this).
+  std::vector<const detail::FamilyBase*> families() const;
+
   template <class Metric>
   Family<Metric>& add_family(std::string name, std::string help,
                              std::vector<std::string> label_names, LabelPairs const_labels,
@@ -197,6 +237,7 @@ class Registry {
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<detail::FamilyBase>> families_;
   std::set<std::string> sample_names_;  // every sample name in use, to refuse collisions
+  const std::shared_ptr<RegistryGroup> group_;
 };
 
 // vLLM's default buckets (vllm/v1/metrics/loggers.py, PrometheusStatLogger), so dashboards and

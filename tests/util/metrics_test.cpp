@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -490,6 +491,53 @@ TEST(Metrics, ARegistrysConstantLabelsAreOnEverySample) {
               Registry(LabelPairs{{"1x", "1"}});
             }).find("\"1x\" is invalid"),
             std::string::npos);
+}
+
+// Replicas behind one port (`tandem serve --gateways 2`): a scrape reaches one of them, on a
+// keep-alive connection always the same one, so each replica's registry alone showed only its own
+// share of the requests. In one group, either member's render shows both replicas' series, each
+// family's HELP and TYPE once with all its samples together, as the oracle reads them; a member
+// that is gone is rendered no more.
+TEST(Metrics, ARegistryGroupRendersEveryMembersSeriesUnderOneHelpAndType) {
+  const auto group = std::make_shared<RegistryGroup>();
+  auto replica = [&](const std::string& k) {
+    return std::make_unique<Registry>(LabelPairs{{"gateway_replica", k}}, group);
+  };
+  auto zero = replica("0");
+  auto one = replica("1");
+  std::map<SampleKey, double> expected;
+  for (const auto& [k, r] : {std::pair{"0", zero.get()}, std::pair{"1", one.get()}}) {
+    const double n = k == std::string("0") ? 7 : 23;
+    r->int_counter_family("requests_total", "requests", {"status"})
+        .labels({"200"})
+        .inc(static_cast<uint64_t>(n));
+    r->gauge("in_flight", "in flight").set(n);
+    r->histogram("latency_seconds", "latency", {1}).observe(n);
+    const std::map<std::string, std::string> labels = {{"gateway_replica", k}};
+    expected[{"requests_total", {{"gateway_replica", k}, {"status", "200"}}}] = n;
+    expected[{"in_flight", labels}] = n;
+    expect_histogram(expected, "latency_seconds", labels, {1}, {n});
+  }
+  for (const Registry* r : {zero.get(), one.get()}) {
+    const std::string text = r->render();
+    const json parsed = parse_with_oracle(text);
+    EXPECT_EQ(normalize_le(samples_of(parsed)), expected) << text;
+    std::vector<std::string> names;
+    for (const auto& family : parsed["families"]) names.push_back(family["name"]);
+    EXPECT_EQ(names, (std::vector<std::string>{"requests", "in_flight", "latency_seconds"}))
+        << text;
+    for (const std::string header : {"# HELP ", "# TYPE "})
+      for (const std::string name : {"requests_total", "in_flight", "latency_seconds"}) {
+        const size_t at = text.find(header + name + " ");
+        ASSERT_NE(at, std::string::npos) << text;
+        EXPECT_EQ(text.find(header + name + " ", at + 1), std::string::npos) << text;
+      }
+  }
+  one.reset();
+  std::map<SampleKey, double> only_zero;
+  for (const auto& [key, value] : expected)
+    if (key.second.at("gateway_replica") == "0") only_zero[key] = value;
+  EXPECT_EQ(normalize_le(samples_of(parse_with_oracle(zero->render()))), only_zero);
 }
 
 // The exposition is UTF-8, and a label value may be a client's text (a model name): an ill-formed
