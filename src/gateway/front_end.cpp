@@ -204,10 +204,6 @@ RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
 
 RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::string client_body,
                              std::shared_ptr<ClientReply> reply, SamePrompt* same_prompt) {
-  if (stopping_.load()) {
-    reply->send_error(503, "the gateway is shutting down", "server_error");
-    return nullptr;
-  }
   const RequestPtr r = new_request(req, std::move(reply));
   // The client's error: answered here, and recorded (`logged`: the access log's error, if not
   // the message).
@@ -220,6 +216,8 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::string client_bod
     r->reply->send_error(status, message, type, code);
     return ended(status, logged.empty() ? message : std::move(logged));
   };
+  // Counted and logged as any refusal: an operator sees what a stop turned away.
+  if (stopping_.load()) return refuse(503, "the gateway is shutting down", "server_error");
   if (!api::api_key_valid(topo_.api_keys, req))
     return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
 

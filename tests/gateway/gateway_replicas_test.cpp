@@ -359,6 +359,30 @@ TEST(GatewayReplicas, AScrapeOfAnyReplicaInOneMetricsGroupShowsEveryReplica) {
   }
 }
 
+// A request refused while the gateway stops (503 "the gateway is shutting down") was answered
+// before it became a request: it was in neither tandem:gateway_requests_total nor the access log.
+TEST(GatewayReplicas, ARequestRefusedWhileStoppingIsCountedAndLogged) {
+  test::TempDir dir("refused-while-stopping");
+  testing::FakeEngine engine("e");
+  Topology t = in_front_of(engine, "e");
+  t.access_log = (dir / "access.jsonl").string();
+  Gateway gateway(t);
+  gateway.start();
+  gateway.refuse_new_requests();
+  const auto r = tandem::testing::post_json(gateway.port(), "/v1/completions",
+                                            {{"model", "m"}, {"prompt", "hi"}});
+  EXPECT_EQ(r.status, 503) << r.body;
+  // (Recorded just after the answer went out.)
+  EXPECT_TRUE(tandem::testing::eventually([&] {
+    return tandem::testing::metric(gateway.port(), "tandem:gateway_requests_total",
+                                   "status=\"503\"") == 1.0;
+  }));
+  const json line = nth_line(dir / "access.jsonl", 1);
+  EXPECT_EQ(line.value("status", 0), 503) << line;
+  EXPECT_EQ(line.value("path", ""), "/v1/completions") << line;
+  EXPECT_EQ(engine.requests(), 0);
+}
+
 net::HttpClientResponse admin(uint16_t port, const std::string& target, const std::string& body) {
   net::Headers h;
   h.set("Authorization", "Bearer admin");
