@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -65,22 +66,36 @@ void check_status(int status) {
 
 // `head_only`: the answer to a HEAD request, whose head says what a GET would get but which
 // carries no body.
-void append_response(std::string& out, const HttpResponse& r, bool close, bool keep_alive_10,
-                     bool head_only = false) {
+// `headers`: r's, or a copy of them with more.
+void append_response(std::string& out, const HttpResponse& r, const Headers& headers, bool close,
+                     bool keep_alive_10, bool head_only = false) {
   std::string_view connection = close ? "close" : (keep_alive_10 ? "keep-alive" : "");
   if (!detail::status_has_body(r.status)) {
-    detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kNone,
-                                 0, connection);
+    detail::append_response_head(out, r.status, r.content_type, headers, detail::BodyKind::kNone, 0,
+                                 connection);
     return;
   }
-  detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kLength,
+  detail::append_response_head(out, r.status, r.content_type, headers, detail::BodyKind::kLength,
                                r.body.size(), connection);
   if (!head_only) out += r.body;
 }
 
 void append_error(std::string& out, ErrorFormatter format, int status, std::string_view message,
                   bool close, bool keep_alive_10) {
-  append_response(out, format(status, message, {}, {}), close, keep_alive_10);
+  const HttpResponse r = format(status, message, {}, {});
+  append_response(out, r, r.headers, close, keep_alive_10);
+}
+
+// `headers` with the CORS answer for a request from a browser page of origin... (`allow_origin`
+// non-empty, as ServerImpl::allow_origin gave it).
+Headers with_cors(const Headers& headers, const std::string& allow_origin) {
+  Headers out = headers;
+  if (!out.contains("Access-Control-Allow-Origin")) {
+    out.set("Access-Control-Allow-Origin", allow_origin);
+    // The answer depends on the page's origin: caches must not give it to another.
+    if (allow_origin != "*") out.add("Vary", "Origin");
+  }
+  return out;
 }
 
 void run_callbacks(Callbacks& callbacks) {
@@ -100,11 +115,14 @@ class Connection;
 // them. Callbacks never run under mu_, so they may call back into the exchange.
 class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeState> {
  public:
+  // `allow_origin`: the Access-Control-Allow-Origin of every answer (empty: none).
   ExchangeState(HttpRequest request, bool keep_alive, EventLoop& loop, Connection& connection,
-                std::string buffer, ErrorFormatter format_error, size_t max_unsent)
+                std::string buffer, ErrorFormatter format_error, size_t max_unsent,
+                std::string allow_origin)
       : request(std::move(request)),
         format_error(format_error),
         max_unsent_(max_unsent),
+        allow_origin_(std::move(allow_origin)),
         keep_alive_(keep_alive),
         http10_(this->request.version < 11),
         head_only_(this->request.method == "HEAD"),
@@ -138,7 +156,8 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
     const bool body = status_has_body(status);
-    append_response_head(out_, status, content_type, headers,
+    append_response_head(out_, status, content_type,
+                         allow_origin_.empty() ? headers : with_cors(headers, allow_origin_),
                          chunked && body ? BodyKind::kChunked : BodyKind::kNone, 0,
                          close ? "close" : (http10_ ? "keep-alive" : ""));
     phase_ = body ? Phase::kStreaming : Phase::kComplete;
@@ -285,10 +304,14 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
   // Every whole response of the exchange goes through here, so that a HEAD gets no body on any
   // path (a body would be read as the next response by a keep-alive client).
   void append_whole_locked(const HttpResponse& response) {
-    append_response(out_, response, !keep_alive_, http10_ && keep_alive_, head_only_);
+    append_response(
+        out_, response,
+        allow_origin_.empty() ? response.headers : with_cors(response.headers, allow_origin_),
+        !keep_alive_, http10_ && keep_alive_, head_only_);
   }
 
   const size_t max_unsent_;
+  const std::string allow_origin_;
   const bool keep_alive_;
   const bool http10_;
   const bool head_only_;          // a HEAD request: the response's head goes out, its body does not
@@ -413,8 +436,18 @@ class ServerImpl {
       std::fprintf(stderr, "tandem http: %s\n", message.c_str());
     }
   }
-  // Calls the handler for the request, or answers 404/405/501 itself.
+  // Calls the handler for the request, or answers 404/405/501 or a CORS preflight itself.
   void dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange);
+  // The Access-Control-Allow-Origin for the answers to `request`: empty unless it came from a
+  // browser page (Origin) of an allowed origin; "*" when any origin is.
+  std::string allow_origin(const HttpRequest& request) const {
+    const std::string* origin = request.headers.find("Origin");
+    if (!origin) return {};
+    const auto& allowed = options_.allowed_origins;
+    if (std::find(allowed.begin(), allowed.end(), "*") != allowed.end()) return "*";
+    if (std::find(allowed.begin(), allowed.end(), *origin) != allowed.end()) return *origin;
+    return {};
+  }
   bool stopping() const { return stopping_.load(std::memory_order_acquire); }
   // A connection from `address` was accepted: false (and the caller closes it) when the cap, or
   // the address's own cap, is reached.
@@ -796,9 +829,11 @@ void Connection::dispatch() {
   }
   if (in_.empty() && in_.room() > kKeptSlackBytes) in_.release_if_empty();
   const bool keep_alive = head_.keep_alive && !server_.stopping();
-  exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
-                                              std::move(spare_), server_.options().error_response,
-                                              server_.options().max_unsent_bytes);
+  std::string allow_origin = server_.allow_origin(request_);
+  exchange_ =
+      std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
+                                      std::move(spare_), server_.options().error_response,
+                                      server_.options().max_unsent_bytes, std::move(allow_origin));
   request_ = HttpRequest();
   {
     auto exchange = std::make_shared<Exchange>(exchange_);
@@ -1106,6 +1141,22 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
     for (const auto& [name, handler] : path->second) {
       allowed += (allowed.empty() ? "" : ", ") + name;
       if (name == "GET" && !path->second.contains("HEAD")) allowed += ", HEAD";
+    }
+    // A browser asks before a cross-origin POST with a JSON body: answered as Starlette's
+    // CORSMiddleware answers vLLM's (the exchange adds Access-Control-Allow-Origin).
+    if (request.method == "OPTIONS" && request.headers.contains("Access-Control-Request-Method") &&
+        !allow_origin(request).empty()) {
+      HttpResponse r;
+      r.status = 200;
+      r.body = "OK";
+      r.content_type = "text/plain; charset=utf-8";
+      r.headers.set("Access-Control-Allow-Methods", allowed);
+      // Any header the page asks for (vLLM's default allowed headers are "*").
+      if (const std::string* asked = request.headers.find("Access-Control-Request-Headers"))
+        r.headers.set("Access-Control-Allow-Headers", *asked);
+      r.headers.set("Access-Control-Max-Age", "600");
+      exchange->respond(std::move(r));
+      return;
     }
     HttpResponse r = options_.error_response(405,
                                              "Method " + request.method + " is not allowed for " +

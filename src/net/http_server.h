@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "net/http.h"
 
@@ -164,6 +165,12 @@ struct HttpServerOptions {
   std::function<void(const std::string&)> log;
   // The body of every error the server sends (net/http.h).
   ErrorFormatter error_response = plain_error_response;
+  // CORS, for pages in a browser: the origins (e.g. "https://app.example.com") whose requests
+  // (with an Origin header) are answered with Access-Control-Allow-Origin; "*": any, as vLLM's
+  // default --allowed-origins. Such a page's preflight (OPTIONS with
+  // Access-Control-Request-Method) to a path with routes is answered 200 with the path's
+  // methods and the headers it asked for. Empty: no CORS (OPTIONS is a 405 as any other method).
+  std::vector<std::string> allowed_origins = {"*"};
 };
 
 class HttpServer {

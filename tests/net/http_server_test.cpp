@@ -382,6 +382,78 @@ TEST(HttpServer, NotFoundAndMethodNotAllowed) {
   EXPECT_EQ(r.status, 200);
 }
 
+// CORS, as vLLM's server (Starlette's CORSMiddleware, allowed origins, methods and headers "*"):
+// a browser page's preflight OPTIONS was a 405, and no answer carried
+// Access-Control-Allow-Origin, so no page of another origin could call the API. A preflight to a
+// path with routes is answered 200 with its methods and the headers asked for; every answer to a
+// request with an Origin (complete, error, stream) allows any origin; a request without Origin
+// gets no CORS header, nor an OPTIONS without Access-Control-Request-Method anything but 405.
+TEST(HttpServer, CorsPreflightIsAnsweredAndEveryAnswerToAPageAllowsItsOrigin) {
+  HttpServer server(local_options());
+  server.route("POST", "/v1/chat/completions",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.route("POST", "/stream", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->start_stream(200, "text/event-stream");
+    ex->write("data: x\n\n");
+    ex->end();
+  });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  Headers page;
+  page.set("Origin", "https://app.example.com");
+  Headers preflight = page;
+  preflight.set("Access-Control-Request-Method", "POST");
+  preflight.set("Access-Control-Request-Headers", "authorization,content-type");
+  auto r = client.request("OPTIONS", "/v1/chat/completions", "", preflight);
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), "*");
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Methods"), "POST");
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Headers"), "authorization,content-type");
+  EXPECT_EQ(r.headers.get("Access-Control-Max-Age"), "600");
+  r = client.request("POST", "/v1/chat/completions", "{}", page);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), "*");
+  r = client.request("GET", "/v1/chat/completions", "", page);
+  EXPECT_EQ(r.status, 405);
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), "*");
+  r = client.request_stream("POST", "/stream", "{}", page, [](std::string_view) { return true; });
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), "*");
+  // Not from a page: as before.
+  r = client.request("POST", "/v1/chat/completions", "{}");
+  EXPECT_FALSE(r.headers.contains("Access-Control-Allow-Origin"));
+  r = client.request("OPTIONS", "/v1/chat/completions", "", page);
+  EXPECT_EQ(r.status, 405);
+  // An unknown path is still 404.
+  EXPECT_EQ(client.request("OPTIONS", "/nothing", "", preflight).status, 404);
+}
+
+// Restricted origins: a listed one is echoed (with Vary: Origin); another gets no CORS header
+// and its preflight is refused (405); none at all turns CORS off.
+TEST(HttpServer, CorsAllowsOnlyTheListedOrigins) {
+  for (const bool off : {false, true}) {
+    auto options = local_options();
+    options.allowed_origins =
+        off ? std::vector<std::string>{} : std::vector<std::string>{"https://app.example.com"};
+    HttpServer server(options);
+    server.route("POST", "/x",
+                 [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+    server.start();
+    HttpClient client("127.0.0.1", server.port());
+    for (const std::string origin : {"https://app.example.com", "https://evil.example.com"}) {
+      Headers h;
+      h.set("Origin", origin);
+      const bool allowed = !off && origin == "https://app.example.com";
+      auto r = client.request("POST", "/x", "{}", h);
+      EXPECT_EQ(r.status, 200);
+      EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), allowed ? origin : "") << origin;
+      EXPECT_EQ(r.headers.get("Vary"), allowed ? "Origin" : "") << origin;
+      h.set("Access-Control-Request-Method", "POST");
+      EXPECT_EQ(client.request("OPTIONS", "/x", "", h).status, allowed ? 200 : 405) << origin;
+    }
+  }
+}
+
 TEST(HttpServer, ErrorsArePlainTextUnlessAnErrorBodyIsInstalled) {
   HttpServerOptions options = local_options();
   options.error_response = plain_error_response;
