@@ -1,6 +1,7 @@
 #include "gateway/health.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,10 +19,30 @@ namespace {
 // A /load answer is a few kilobytes, a model list less; anything far larger is not one.
 constexpr size_t kMaxAnswerBytes = size_t{1} << 20;
 
+// Whether an engine refuses a request naming a model its GET /v1/models does not list, so that
+// such a list means every request would fail: Tandem's engines and vLLM do (404 "The model `x`
+// does not exist."); SGLang, TGI and llama.cpp list their model path but serve any name
+// (sglang#4293), so an alias as served_model_name is fine there. Known from the pool's dialect,
+// else from the list's owned_by ("tandem", "vllm"; SGLang says "sglang").
+bool refuses_unknown_names(Dialect dialect, const nlohmann::json& data) {
+  if (dialect == Dialect::kTandem || dialect == Dialect::kVllm) return true;
+  if (dialect != Dialect::kAuto) return false;
+  for (const auto& m : data) {
+    if (!m.is_object() || !m.contains("owned_by") || !m["owned_by"].is_string()) continue;
+    const std::string& owner = m["owned_by"].get_ref<const std::string&>();
+    if (owner == "tandem" || owner == "vllm") return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 // Why an engine whose GET /v1/models answered `body` serves none of `model` (the gateway's
 // served_model_name, the name clients send and the gateway passes on): empty when it lists it,
-// when the gateway names no model, or when the body is no model list (nothing learned).
-std::string not_serving(const std::string& body, const std::string& model) {
+// when the gateway names no model, or when the body is no model list (nothing learned). An engine
+// that serves any name is kept: said once on stderr, as an alias it will serve.
+std::string HealthMonitor::not_serving(const EndpointState& e, const std::string& body) {
+  const std::string& model = topo_.served_model_name;
   if (model.empty()) return {};
   const nlohmann::json doc = nlohmann::json::parse(body, nullptr, false);
   if (!doc.is_object() || !doc.contains("data") || !doc["data"].is_array()) return {};
@@ -33,12 +54,19 @@ std::string not_serving(const std::string& body, const std::string& model) {
     if (id == model) return {};
     if (shown++ < 4) listed += (listed.empty() ? "'" : ", '") + utf8::clip(id) + "'";
   }
-  return "its GET /v1/models lists " + (listed.empty() ? std::string("no model") : listed) +
-         (shown > 4 ? " and more" : "") + ", not the gateway's served_model_name '" + model +
-         "' (each request would be refused as for an unknown model)";
+  const std::string lists =
+      "its GET /v1/models lists " + (listed.empty() ? std::string("no model") : listed) +
+      (shown > 4 ? " and more" : "") + ", not the gateway's served_model_name '" + model + "'";
+  if (refuses_unknown_names(e.dialect, doc["data"]))
+    return lists + " (each request would be refused as for an unknown model)";
+  if (warned_alias_.insert(e.id).second)
+    std::fprintf(stderr,
+                 "tandem gateway: engine %s: %s; kept: it is no Tandem or vLLM engine (dialect "
+                 "%s, no owned_by \"tandem\" or \"vllm\"), and such servers (SGLang, TGI, "
+                 "llama.cpp) answer a request naming any model\n",
+                 e.config.name.c_str(), lists.c_str(), dialect_name(e.dialect));
+  return {};
 }
-
-}  // namespace
 
 HealthMonitor::HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
                              EndpointTable& endpoints, std::function<void()> changed)
@@ -98,14 +126,16 @@ void HealthMonitor::ask_length(int id) {
         // A 4xx or a body without the field is an answer (a server that does not
         // say); a transport error or a 5xx is none, and the next probe asks again.
         std::optional<int64_t> length;
-        std::string why_not;
+        std::string list;  // a 200's body, read for the model on the scheduling thread
         if (a.error.empty() && a.status == 200) {
           length = api::max_model_len_of(a.body).value_or(0);
-          why_not = not_serving(a.body, topo_.served_model_name);
+          list = a.body;
         } else if (a.error.empty() && a.status >= 400 && a.status < 500) {
           length = 0;
         }
-        exec_.post([this, id, length, why_not = std::move(why_not)]() mutable {
+        exec_.post([this, id, length, list = std::move(list)] {
+          const EndpointState* e = endpoints_.find(id);
+          std::string why_not = e ? not_serving(*e, list) : std::string();
           if (endpoints_.models_result(id, length, std::move(why_not), exec_.now())) changed_();
         });
       });

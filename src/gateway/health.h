@@ -7,6 +7,7 @@
 // drive both without sockets or clocks.
 #include <functional>
 #include <string>
+#include <unordered_set>
 
 #include "gateway/endpoints.h"
 #include "gateway/seams.h"
@@ -30,6 +31,7 @@ class HealthMonitor {
   void probe_all();
   void poll_loads();
   void ask_length(int id);
+  std::string not_serving(const EndpointState& e, const std::string& models_body);
   net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
   // Cancels `call` at the probe timeout if it has not ended: the HTTP client bounds each piece
   // only, and a body trickled a byte at a time would keep the call (and the engine's probing or
@@ -41,6 +43,8 @@ class HealthMonitor {
   Upstream& upstream_;
   EndpointTable& endpoints_;
   std::function<void()> changed_;
+  // Engines already said to list another model but kept (they serve any name): said once each.
+  std::unordered_set<int> warned_alias_;
 };
 
 }  // namespace tandem::gateway

@@ -67,7 +67,11 @@ class FakeEngine {
         return;
       }
       json data = json::array();
-      for (const auto& id : models_) data.push_back({{"id", id}, {"object", "model"}});
+      for (const auto& id : models_) {
+        json entry = {{"id", id}, {"object", "model"}};
+        entry.update(model_fields_);
+        data.push_back(std::move(entry));
+      }
       ex->respond(200, json{{"object", "list"}, {"data", data}}.dump());
     });
     server_->route("GET", "/load", [this](const net::HttpRequest&, auto ex) {
@@ -94,10 +98,12 @@ class FakeEngine {
     load_status_ = status;
     load_body_ = std::move(body);
   }
-  // The model ids GET /v1/models lists; none (the default): it answers 404.
-  void set_models(std::vector<std::string> ids) {
+  // The model ids GET /v1/models lists, each entry with `fields` too ({"owned_by": "sglang"});
+  // none (the default): it answers 404.
+  void set_models(std::vector<std::string> ids, json fields = json::object()) {
     std::lock_guard lock(mutex_);
     models_ = std::move(ids);
+    model_fields_ = std::move(fields);
   }
   int requests() const { return requests_; }
   int closed_early() const { return closed_early_; }  // clients that left before the answer
@@ -258,6 +264,7 @@ class FakeEngine {
   size_t max_held_ = 0;
   int load_status_ = 404;
   std::vector<std::string> models_;
+  json model_fields_ = json::object();
   std::string load_body_;
 };
 

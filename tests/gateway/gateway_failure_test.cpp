@@ -692,8 +692,8 @@ TEST_P(GatewayFailures, AnEngineServingAnotherModelIsNotAdmitted) {
 }
 
 // SGLang (and TGI, llama.cpp) list their model path but serve a request naming any model: with
-// served_model_name an alias, such an engine serves it, so the model check keeps it (an sglang pool,
-// or an auto pool whose engine's list says owned_by "sglang"). A tandem pool's engine, which
+// served_model_name an alias, such an engine serves it, so the model check keeps it (an sglang
+// pool, or an auto pool whose engine's list says owned_by "sglang"). A tandem pool's engine, which
 // refuses an unknown name, is ejected for the same list, naming why.
 TEST_P(GatewayFailures, TheModelCheckEjectsOnlyEnginesThatRefuseAnUnknownName) {
   struct Case {
