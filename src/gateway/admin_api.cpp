@@ -1,8 +1,13 @@
 #include "gateway/admin_api.h"
 
+#include <filesystem>
+#include <string>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "gateway/front_end.h"
+#include "gateway/policy.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -82,6 +87,74 @@ std::vector<AdminApi*> AdminReplicas::all() const {
   return replicas_.size() == count_ ? replicas_ : std::vector<AdminApi*>{};
 }
 
+namespace {
+
+// Why a gateway could not start from `t`, as far as it can be checked without starting one (a
+// port's bind, or a tokenizer's load, cannot): empty when nothing is found.
+std::string start_refusal(const Topology& t) {
+  if (std::string why = unknown_policy_error(t.policy); !why.empty()) return "policy: " + why;
+  if (!t.model.empty() &&
+      !std::filesystem::is_regular_file(std::filesystem::path(t.model) / "tokenizer.json"))
+    return "model: " + t.model + " has no tokenizer.json (the gateway tokenizes with it)";
+  if (!t.access_log.empty() && t.access_log != "-") {
+    const auto dir = std::filesystem::path(t.access_log).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir))
+      return "access_log: " + t.access_log + ": no such directory";
+  }
+  return {};
+}
+
+// The file's settings, changed since `then`, that a reload does not apply (they need a restart):
+// all but the pools' engines, dialect and max_in_flight (mode and tokens_in are refused).
+std::vector<std::string> not_applied(const Topology& then, const Topology& now) {
+  std::vector<std::string> out;
+  auto check = [&out](bool same, const char* key) {
+    if (!same) out.emplace_back(key);
+  };
+  check(then.host == now.host && then.port == now.port && then.io_threads == now.io_threads &&
+            then.reuse_port == now.reuse_port && then.max_body_bytes == now.max_body_bytes &&
+            then.max_unsent_bytes == now.max_unsent_bytes &&
+            then.max_connections == now.max_connections &&
+            then.max_connections_per_address == now.max_connections_per_address,
+        "listen");
+  check(then.policy == now.policy, "policy");
+  check(then.model == now.model, "model");
+  check(then.served_model_name == now.served_model_name, "served_model_name");
+  check(then.api_keys == now.api_keys, "api_keys");
+  check(then.admin_api_key == now.admin_api_key, "admin_api_key");
+  check(then.metrics_api_key == now.metrics_api_key, "metrics_api_key");
+  check(then.engine_api_key == now.engine_api_key, "engine_api_key");
+  check(then.max_tokens_limit == now.max_tokens_limit &&
+            then.default_max_tokens == now.default_max_tokens,
+        "max_tokens");
+  check(then.max_queue == now.max_queue, "max_queue");
+  check(then.max_answer_bytes == now.max_answer_bytes, "max_answer_bytes");
+  check(then.prefill_retries == now.prefill_retries, "prefill_retries");
+  check(then.retry_backoff.first == now.retry_backoff.first &&
+            then.retry_backoff.max == now.retry_backoff.max,
+        "retry_backoff");
+  check(then.access_log == now.access_log, "access_log");
+  check(then.shutdown_timeout == now.shutdown_timeout, "shutdown_timeout");
+  const HealthOptions &h0 = then.health, &h1 = now.health;
+  check(h0.probe_interval == h1.probe_interval && h0.probe_timeout == h1.probe_timeout &&
+            h0.failures_to_eject == h1.failures_to_eject && h0.slow_start == h1.slow_start,
+        "health");
+  const Timeouts &t0 = then.timeouts, &t1 = now.timeouts;
+  check(t0.queue == t1.queue && t0.connect == t1.connect && t0.prefill == t1.prefill &&
+            t0.first_token == t1.first_token && t0.idle == t1.idle &&
+            t0.decode_queue == t1.decode_queue,
+        "timeouts");
+  check(then.scheduling.load_interval == now.scheduling.load_interval, "scheduling");
+  std::vector<std::string> classes0, classes1;
+  for (const auto& c : then.priority.classes) classes0.push_back(c.name);
+  for (const auto& c : now.priority.classes) classes1.push_back(c.name);
+  check(classes0 == classes1 && then.priority.api_keys == now.priority.api_keys,
+        "priority_classes");
+  return out;
+}
+
+}  // namespace
+
 Endpoint endpoint_from_json(const json& j) {
   // The topology file's reader: one set of checks for engines however they arrive.
   return parse_endpoint_entry(j.dump(), "endpoint");
@@ -95,6 +168,11 @@ AdminApi::AdminApi(const Topology& topology, std::string config_path, Executor& 
       dispatcher_(dispatcher),
       replicas_(std::move(replicas)) {
   if (replicas_) replicas_->join(this);
+  // Read again (cheap): a file that no longer loads leaves nothing to compare with.
+  if (!config_path_.empty()) try {
+      file_at_start_ = load_topology(config_path_);
+    } catch (const std::exception&) {
+    }
 }
 
 void AdminApi::apply(std::shared_ptr<net::Exchange> ex, Change change, Combine combine) {
@@ -216,13 +294,18 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
   try {
     next = load_topology(config_path_);
     if (const std::string why = reload_refusal(topo_, next); !why.empty()) throw Error(why);
+    // Checked as at start: a file the gateway could not start from is no file to run on.
+    if (const std::string why = start_refusal(next); !why.empty())
+      throw Error(config_path_ + ": " + why);
   } catch (const std::exception& err) {
     ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
     return;
   }
+  std::vector<std::string> unapplied;
+  if (file_at_start_) unapplied = not_applied(*file_at_start_, next);
   apply(
       std::move(ex),
-      [next](Dispatcher& dispatcher) {
+      [next, unapplied](Dispatcher& dispatcher) {
         EndpointTable::ReloadResult result;
         try {
           result = dispatcher.reload(next);
@@ -231,7 +314,9 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
           return Applied{400, nullptr,
                          std::string("reload failed, topology unchanged: ") + err.what()};
         }
-        return Applied{200, json{{"added", result.added}, {"removed", result.removed}}, {}};
+        json answer = {{"added", result.added}, {"removed", result.removed}};
+        if (!unapplied.empty()) answer["not_applied"] = unapplied;  // until a restart
+        return Applied{200, std::move(answer), {}};
       },
       [](json&, const json&) {});  // the same engines joined and left every replica
 }

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,9 @@ class AdminApi {
 
   const Topology& topo_;
   const std::string config_path_;
+  // The file as the gateway started from it: what a reload reports as not applied is what
+  // changed since (flags given over it at start are no change of the file's).
+  std::optional<Topology> file_at_start_;
   Executor& exec_;
   Dispatcher& dispatcher_;
   const std::shared_ptr<AdminReplicas> replicas_;

@@ -971,6 +971,43 @@ TEST_P(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+// A reload checks the file as a start would and refuses, naming the field, what a start refuses
+// (it answered 200 for "policy: tandom" and a model folder without tokenizer.json); a setting it
+// does not apply (it needs a restart) is named in the answer, not silently ignored.
+TEST_P(GatewayFailures, AReloadRefusesWhatAStartRefusesAndNamesWhatItDoesNotApply) {
+  FakeEngine a("a");
+  const auto file = dir_ / "topology.yaml";
+  auto write = [&](const std::string& extra) {
+    std::ofstream(file) << "mode: aggregated\nadmin_api_key: admin\n"
+                        << "listen: {host: 127.0.0.1, port: 1}\n"
+                        << extra << "decode:\n  endpoints:\n    - {url: \"http://" << a.address()
+                        << "\", name: a}\n";
+  };
+  write("");
+  Topology t = load_topology(file.string());
+  t.port = 0;
+  t.io_threads = GetParam();
+  start(t, file.string());
+  for (const auto& [extra, said] :
+       {std::pair{"policy: tandom\n", "policy: unknown scheduling policy 'tandom'"},
+        std::pair{"model: /nonexistent/model\n", "model: "}}) {
+    write(extra);
+    const auto r = admin("POST", "/admin/reload");
+    EXPECT_EQ(r.status, 400) << extra << r.body;
+    EXPECT_NE(r.body.find(said), std::string::npos) << r.body;
+  }
+  write("policy: round_robin\n");
+  auto r = admin("POST", "/admin/reload");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body),
+            (json{{"added", 0}, {"removed", 0}, {"not_applied", json::array({"policy"})}}));
+  write("");
+  r = admin("POST", "/admin/reload");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), (json{{"added", 0}, {"removed", 0}}));
+  EXPECT_EQ(post(completion()).status, 200);
+}
+
 TEST_P(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   FakeEngine p("p"), d("d");
   auto t = topology(PdMode::kSequential);
