@@ -874,10 +874,10 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // An engine's refusal (429, 503: its queue is full) retried where no engine is left that has
     // not refused or failed the request goes back to one of those (the policies fall back to
     // them): at once, it would meet the same full queue. It waits the topology's retry_backoff
-    // first, longer at each such retry.
+    // first, longer at each such retry (counted from 1, as the busy retries: before(1) first).
     if ((status == 429 || status == 503) && only_tried_engines_left(*r, endpoint_id)) {
       enqueue_at(r,
-                 exec_.now() + topo_.retry_backoff.jittered(r->refusal_backoffs++, random_u64()));
+                 exec_.now() + topo_.retry_backoff.jittered(++r->refusal_backoffs, random_u64()));
       return;
     }
     enqueue(r, true);

@@ -943,6 +943,35 @@ TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeeps
   }
 }
 
+// Each refusal backoff waits longer than the one before: the second is drawn from before(2) (40 to
+// 80 ms for a first of 40 ms), not again from before(1) (20 to 40 ms), as the busy retries count.
+TEST(Dispatcher, EachRefusalBackoffWaitsLongerThanTheOneBefore) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 2;
+  t.retry_backoff.first = milliseconds(40);
+  t.retry_backoff.max = milliseconds(400);
+  Cluster c(t);
+  auto client = c.send();
+  FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, "3");
+  c.clock.run_ready();
+  c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u) << "not sent after the first backoff";
+  FakeEngines::refuse(*retry[0], 429, full, "3");
+  c.clock.run_ready();
+  c.clock.advance_by(milliseconds(39));  // the second's least jittered wait is half of 80 ms
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "the second backoff was no longer";
+  c.clock.advance_by(milliseconds(41));
+  retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u) << "not sent after the second backoff";
+  FakeEngines::refuse(*retry[0], 429, full, "3");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A request of several choices answered by its parts (ChoiceMerger) keeps the refusing engine's
 // Retry-After too.
 TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
