@@ -45,15 +45,45 @@ bool is_chunked(std::string transfer_encoding) {
   return transfer_encoding.find("chunked") != std::string::npos;
 }
 
+bool all_digits(std::string_view text) {
+  return !text.empty() &&
+         std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+// RFC 9110's IMF-fixdate, "Sun, 06 Nov 1994 08:49:37 GMT": the HTTP-date senders must write.
+bool is_imf_fixdate(std::string_view v) {
+  static constexpr std::string_view kDays[] = {"Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"};
+  static constexpr std::string_view kMonths[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                                 "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  auto one_of = [](std::string_view word, const auto& words) {
+    return std::find(std::begin(words), std::end(words), word) != std::end(words);
+  };
+  return v.size() == 29 && one_of(v.substr(0, 3), kDays) && v.substr(3, 2) == ", " &&
+         all_digits(v.substr(5, 2)) && v[7] == ' ' && one_of(v.substr(8, 3), kMonths) &&
+         v[11] == ' ' && all_digits(v.substr(12, 4)) && v[16] == ' ' &&
+         all_digits(v.substr(17, 2)) && v[19] == ':' && all_digits(v.substr(20, 2)) &&
+         v[22] == ':' && all_digits(v.substr(23, 2)) && v.substr(25) == " GMT";
+}
+
+// The longest wait relayed: an engine asking for more (or a number that overflows a client's
+// parser) is told to the client as a day.
+constexpr uint64_t kMaxRetryAfterSeconds = 86400;
+
 // An engine's Retry-After on its refusal (429, 503), kept for the client's answer once retries are
-// spent: delay-seconds or an HTTP-date, a short line of visible text; anything else is dropped
-// rather than relayed.
+// spent, only as the clients that honour it read it: delay-seconds (at most a day) or an
+// IMF-fixdate. Anything else ("soon", "-5", "1.5") is dropped rather than relayed.
 std::string retry_after_of(int status, const net::Headers& hs) {
   if (status != 429 && status != 503) return {};
-  std::string value = hs.get("Retry-After");
-  const bool text = std::all_of(value.begin(), value.end(),
-                                [](unsigned char c) { return c >= 0x20 && c < 0x7f; });
-  return value.size() <= 64 && text ? value : std::string();
+  const std::string value = hs.get("Retry-After");
+  if (all_digits(value)) {
+    // Without its leading zeros ("007" is 7), keeping one digit of "000".
+    const std::string digits =
+        value.substr(std::min(value.find_first_not_of('0'), value.size() - 1));
+    return digits.size() > 5 || std::stoull(digits) > kMaxRetryAfterSeconds
+               ? std::to_string(kMaxRetryAfterSeconds)
+               : value;
+  }
+  return is_imf_fixdate(value) ? value : std::string();
 }
 
 std::string size_text(size_t bytes) {

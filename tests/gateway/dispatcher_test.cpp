@@ -992,6 +992,36 @@ TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// An engine's Retry-After reaches the client only as delay-seconds (at most a day) or an
+// IMF-fixdate: anything else ("soon", a negative number) is dropped, an excessive delay capped.
+TEST(Dispatcher, AnEnginesRetryAfterIsRelayedOnlyAsDelaySecondsOrAnHttpDate) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  const std::pair<std::string, std::string> cases[] = {
+      {"3", "3"},
+      {"soon", ""},
+      {"-5", ""},
+      {"3.5", ""},
+      {"", ""},
+      {"99999999999", "86400"},
+      {"86401", "86400"},
+      {"000000000007", "000000000007"},
+      {"Wed, 21 Oct 2015 07:28:00 GMT", "Wed, 21 Oct 2015 07:28:00 GMT"},
+      {"Wed, 21 Oct 2015 07:28:00 UTC", ""},
+      {"Tuesday, 21-Oct-15 07:28:00 GMT", ""},
+  };
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  for (const auto& [sent, relayed] : cases) {
+    auto client = c.send();
+    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, sent);
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 429) << sent;
+    EXPECT_EQ(client->retry_after, relayed) << sent;
+  }
+}
+
 TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
   Topology t = aggregated({engine("a"), engine("b")});
   t.prefill_retries = 1;
