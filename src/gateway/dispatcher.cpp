@@ -142,6 +142,17 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
       ++places;
     }
   if (places == 0) return;
+  // More choices than the queue ever holds at once can never join it: the client's error to fix,
+  // not a rate limit (OpenAI's SDKs retry a 429 by themselves, here in vain).
+  if (places > topo_.max_queue) {
+    const std::string why = "this request asks for " + std::to_string(places) +
+                            " choices (`n`, or the prompts of its prompt list), more than the "
+                            "gateway's queue takes at once (max_queue " +
+                            std::to_string(topo_.max_queue) + "); ask for at most " +
+                            std::to_string(topo_.max_queue);
+    for (const RequestPtr& r : group) answer_error(r, 400, why);
+    return;
+  }
   const std::string refused = make_room(arriving_class, places);
   bool queued = false;
   for (const RequestPtr& r : group) {
@@ -171,15 +182,11 @@ std::string Dispatcher::make_room(int arriving_class, size_t places) {
   const std::string full =
       places == 1
           ? "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later"
-      : places > max ? "the gateway queue is full: this request's " + std::to_string(places) +
-                           " choices need as many places, more than its " + std::to_string(max) +
-                           " (max_queue); ask for fewer choices"
-                     : "the gateway queue is full: this request's " + std::to_string(places) +
-                           " choices need as many places and " + std::to_string(taken) +
-                           " of its " + std::to_string(max) + " are taken; retry later";
+          : "the gateway queue is full: this request's " + std::to_string(places) +
+                " choices need as many places and " + std::to_string(taken) + " of its " +
+                std::to_string(max) + " are taken; retry later";
   // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
-  if (places > max || static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size())
-    return full;
+  if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return full;
   // Only work never sent to an engine gives up its place: a request waiting to decode, or for a
   // retry, holds work (and maybe KV) already done for it; a group gives up all its places or none,
   // and none while any of its choices was sent (shed, the choices under way would fail with it).

@@ -55,7 +55,8 @@ class Dispatcher {
   // the queue when it has room for all of them (made by shedding lower classes' waiting requests
   // where it must: make_room), or all are refused (429); a client never has some of its choices
   // computed and the rest refused, and the queue never holds more than max_queue after an
-  // arrival. Requests already ended are skipped.
+  // arrival. A group larger than max_queue could never join: the client's error (400). Requests
+  // already ended are skipped.
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();

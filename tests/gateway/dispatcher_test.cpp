@@ -1183,12 +1183,13 @@ TEST(Dispatcher, OverloadAnswersCarryRetryAfterAndANonClientType) {
 
 TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
   Topology t = aggregated({engine("a", 0, 1)});
-  t.max_queue = 1;
+  t.max_queue = 2;
   Cluster c(t);
   c.send();
-  c.send();  // waits: the queue is full
-  for (const auto& client : c.send_together(3)) EXPECT_EQ(client->status, 429);
-  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  c.send();
+  c.send();  // both wait: the queue is full
+  for (const auto& client : c.send_together(2)) EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(c.dispatcher.waiting(), 2u);
   EXPECT_EQ(c.engines.open().size(), 1u);
 }
 
@@ -1212,6 +1213,25 @@ TEST(Dispatcher, RequestsSubmittedTogetherJoinOnlyAQueueWithRoomForAllOfThem) {
   EXPECT_EQ(second->status, 200);
   for (const auto& client : together) EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
+}
+
+// A request of more choices than max_queue can never be queued whole: it is the client's error (a
+// 400 naming n and max_queue), not a rate limit that OpenAI's SDKs would retry in vain.
+TEST(Dispatcher, MoreChoicesThanMaxQueueIsA400NamingNAndMaxQueue) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.max_queue = 8;
+  Cluster c(t);
+  auto client = c.send_choices(16);
+  EXPECT_EQ(client->status, 400);
+  EXPECT_EQ(client->answers, 1);
+  const json error = json::parse(client->body)["error"];
+  EXPECT_EQ(error["type"], "invalid_request_error");
+  const std::string message = error["message"];
+  EXPECT_NE(message.find("`n`"), std::string::npos) << message;
+  EXPECT_NE(message.find("max_queue"), std::string::npos) << message;
+  EXPECT_EQ(client->retry_after, "");
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // --------------------------------------------------------------------------- client leaves
