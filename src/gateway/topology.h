@@ -92,12 +92,14 @@ struct Timeouts {
   std::chrono::milliseconds decode_queue = std::chrono::seconds(90);
 };
 
-// The wait before a sequential decode leg goes again after its prefill engine refused the pull
-// for now (api::kKvTransferBusyCode: every KV transfer connection it allows was in use): an
-// immediate retry would meet the same limit. `first` before the request's first retry, doubled
-// for each retry after, at most `max` (Envoy's retry back-off: base and max interval). The file's
-// `retry_backoff_ms` and `retry_backoff_max_ms` (when only the first is given, the max is ten
-// times it, at least 1000 ms).
+// The wait before a request goes again where an immediate retry would meet the same limit: a
+// sequential decode leg whose prefill engine refused the pull for now (api::kKvTransferBusyCode:
+// every KV transfer connection it allows was in use), and a request an engine refused (429, 503:
+// its queue is full) with no engine left that has not refused or failed it. `first` before the
+// request's first such retry, doubled for each one after, at most `max` (Envoy's retry back-off:
+// base and max interval); each kind counts its own retries. The file's `retry_backoff_ms` and
+// `retry_backoff_max_ms` (when only the first is given, the max is ten times it, at least
+// 1000 ms).
 struct RetryBackoff {
   std::chrono::milliseconds first{50};
   std::chrono::milliseconds max{1000};

@@ -24,9 +24,10 @@ class Reply {
   // An OpenAI error body (api/error.h) with this status, message, type and code.
   virtual bool send_error(int status, std::string_view message, std::string_view type = {},
                           std::string_view code = {}) = 0;
-  // respond() with extra header fields (the gateway's Retry-After on an overload answer). A reply
-  // that keeps no header fields (a test's, the simulator's, one choice of several) answers as
-  // respond() does, without them.
+  // respond() with extra header fields (the gateway's Retry-After on an overload answer, or an
+  // engine's on its refusal). A reply that keeps no header fields (a test's, the simulator's)
+  // answers as respond() does, without them; one choice of several (ChoiceMerger's Part) passes
+  // them on with its failure to the client's answer.
   virtual bool respond_with_headers(HttpResponse response) {
     return respond(response.status, std::move(response.body), std::move(response.content_type));
   }
