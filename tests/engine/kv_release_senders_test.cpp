@@ -49,6 +49,8 @@ class ReleaseNetwork {
   // Connects to these hosts never complete; the sender gives up only when its agent asks it to
   // (its shutdown: the handshake timeout of these tests is longer than the hang guard).
   std::set<std::string> hung_hosts;
+  // And to these engines ("host:port") alone.
+  std::set<std::string> hung_peers;
 
   // Connects to hosts that answer wait here until the gate opens.
   void close_gate() {
@@ -72,6 +74,13 @@ class ReleaseNetwork {
   Peaks peaks() const {
     std::lock_guard lock(mutex_);
     return peaks_;
+  }
+  // Waits until `done` holds of the connections open now; false when the hang guard ran out.
+  bool wait_until_open(const std::function<bool(const Peaks&)>& done) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, kHangGuard, [&] {
+      return done({open_by_peer_, open_by_host_, open_});
+    });
   }
   // Waits until `done` holds of what the engines received; false when the hang guard ran out.
   bool wait_until(
@@ -170,7 +179,8 @@ std::unique_ptr<KvConnection> ReleaseNetwork::connect(const std::string& host, u
   peaks_.by_peer[peer] = std::max(peaks_.by_peer[peer], ++open_by_peer_[peer]);
   peaks_.by_host[host] = std::max(peaks_.by_host[host], ++open_by_host_[host]);
   peaks_.total = std::max(peaks_.total, ++open_);
-  const bool hung = hung_hosts.count(host) > 0;
+  changed_.notify_all();
+  const bool hung = hung_hosts.count(host) > 0 || hung_peers.count(peer) > 0;
   // The transport's contract: give_up is asked every few tens of milliseconds while connecting.
   while (hung || !gate_open_) {
     lock.unlock();
@@ -260,7 +270,8 @@ class KvReleaseSenders : public ::testing::Test {
 // Four prefill engines on one machine that stopped answering (its kernel drops their SYNs, or a
 // stopped process's accept queues are full) each take the senders one engine may have; those
 // were all 16, and a release to another machine's engine waited behind them until their
-// handshake timeouts. A host takes at most 4 now, whatever its ports.
+// handshake timeouts. An engine takes at most 2 now, and a host past its share of 4 only what no
+// other host's message waits for.
 TEST_F(KvReleaseSenders, FourHungEnginesOnOneHostHoldUpNoOtherHostsReleases) {
   network_.hung_hosts = {"10.0.0.1"};
   auto decode = make_decode();
@@ -270,7 +281,7 @@ TEST_F(KvReleaseSenders, FourHungEnginesOnOneHostHoldUpNoOtherHostsReleases) {
   release(*decode, "10.0.0.2", 7000, "healthy");
   EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.0.2:7000") > 0; }))
       << "the release to the healthy host waited behind the hung host's";
-  EXPECT_LE(network_.peaks().by_host["10.0.0.1"], 4);
+  EXPECT_LE(network_.peaks().by_host["10.0.0.1"], 8);
   decode.reset();  // the hung connects give up at the shutdown
   EXPECT_EQ(network_.received().count("10.0.0.1:1"), 0u);
 }
@@ -278,8 +289,7 @@ TEST_F(KvReleaseSenders, FourHungEnginesOnOneHostHoldUpNoOtherHostsReleases) {
 // Messages to nine engines on three hosts, in a random order, queued behind a closed gate: once
 // it opens each arrives exactly once, each engine's in the order they were asked for (only a
 // message still on its way on another of that engine's senders may arrive after a later one),
-// none dropped, and the senders at once stay within their bounds: 16 in all, 4 to a host, 2 to
-// an engine.
+// none dropped, and the senders at once stay within their bounds: 16 in all, 2 to an engine.
 TEST_F(KvReleaseSenders, QueuedMessagesEachGoOnceInTheirEnginesOrder) {
   network_.close_gate();
   auto decode = make_decode();
@@ -320,12 +330,75 @@ TEST_F(KvReleaseSenders, QueuedMessagesEachGoOnceInTheirEnginesOrder) {
   EXPECT_EQ(dropped(), 0);
   const Peaks peaks = network_.peaks();
   EXPECT_LE(peaks.total, 16);
-  for (const auto& [host, n] : peaks.by_host) EXPECT_LE(n, 4) << host;
   for (const auto& [peer, n] : peaks.by_peer) EXPECT_LE(n, 2) << peer;
   decode.reset();
   size_t n = 0;
   for (const auto& [peer, messages] : network_.received()) n += messages.size();
   EXPECT_EQ(n, size_t(kMessages));
+}
+
+// Two hung engines of a host take 2 senders each, its share of 4: a release to a healthy engine
+// of that host waited behind them for their handshake timeouts (never, within the test), though
+// 12 senders were idle.
+TEST_F(KvReleaseSenders, TwoHungEnginesDoNotHoldUpTheirHostMatesReleases) {
+  network_.hung_peers = {"10.0.3.1:1", "10.0.3.1:2"};
+  auto decode = make_decode();
+  for (uint16_t port = 1; port <= 2; ++port)
+    for (int i = 0; i < 4; ++i)
+      release(*decode, "10.0.3.1", port, "hung-" + std::to_string(port) + "-" + std::to_string(i));
+  release(*decode, "10.0.3.1", 3, "healthy");
+  EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.3.1:3") > 0; }))
+      << "the release to the healthy engine waited behind its host-mates'";
+  EXPECT_LE(network_.peaks().by_peer["10.0.3.1:1"], 2);
+  EXPECT_LE(network_.peaks().by_peer["10.0.3.1:2"], 2);
+  EXPECT_EQ(network_.received().count("10.0.3.1:1"), 0u);
+}
+
+// Every prefill engine on one machine (tandem serve): with nothing else to send, their messages
+// use every sender, 2 to each of 8 engines, not the host's share of 4.
+TEST_F(KvReleaseSenders, OneHostAloneMayUseEverySender) {
+  network_.close_gate();
+  auto decode = make_decode();
+  for (uint16_t port = 1; port <= 8; ++port)
+    for (int i = 0; i < 3; ++i)
+      release(*decode, "10.0.4.1", port, "t-" + std::to_string(port) + "-" + std::to_string(i));
+  EXPECT_TRUE(network_.wait_until_open([](const Peaks& open) { return open.total == 16; }))
+      << "one host alone had " << network_.peaks().total << " senders at once";
+  network_.open_gate();
+  EXPECT_TRUE(network_.wait_until([](const auto& got) {
+    size_t n = 0;
+    for (const auto& [peer, messages] : got) n += messages.size();
+    return n == 24;
+  }));
+  EXPECT_EQ(dropped(), 0);
+}
+
+// One engine may fill the whole queue (4096) while nothing else waits; once it is full, a message
+// to another engine takes the place of its newest, which is dropped. The first engine's queue was
+// bounded at 512 (its host's at 1024), past which its messages were dropped with the queue all
+// but empty.
+TEST_F(KvReleaseSenders, OneEngineMayFillTheQueueAndOthersStillFindRoom) {
+  network_.close_gate();
+  auto decode = make_decode();
+  const int kFirst = 2 + 4096;  // its 2 senders' and a full queue
+  // Not through release(): the order of so many is not checked (most_overtaken's check is
+  // quadratic in an engine's messages).
+  for (int i = 0; i < kFirst; ++i)
+    decode->release_remote("10.0.5.1", 7000, "prefill", "a-" + std::to_string(i), {1, 2});
+  EXPECT_EQ(dropped(), 0);
+  // Two of these take senders at once; the third waits, in the place of the first engine's newest.
+  for (int i = 0; i < 3; ++i) release(*decode, "10.0.5.2", 7000, "b-" + std::to_string(i));
+  EXPECT_EQ(dropped(), 1);
+  network_.open_gate();
+  EXPECT_TRUE(network_.wait_until([&](const auto& got) {
+    return got.count("10.0.5.2:7000") && got.at("10.0.5.2:7000").size() == 3 &&
+           got.count("10.0.5.1:7000") && got.at("10.0.5.1:7000").size() == size_t(kFirst - 1);
+  })) << "a message to the engine with the shorter queue was dropped";
+  const auto got = network_.received();
+  EXPECT_EQ(std::count(got.at("10.0.5.1:7000").begin(), got.at("10.0.5.1:7000").end(),
+                       "a-" + std::to_string(kFirst - 1)),
+            0)
+      << "not the newest message was dropped";
 }
 
 // A thread starter that fails its first start, as a process out of threads does (std::thread

@@ -2072,8 +2072,9 @@ TEST_F(KvTransferOverShm, ARefusalIsToldEvenWhenThePeerClosedBeforeTheFirstFrame
 
 // A client may name any host in a decode leg that is then refused; each refusal asks that host
 // to release the hold. Against a host that accepts and never answers, the releases sent to it at
-// once are bounded in number (2), those waiting their turn for it too (512; past that they are
-// dropped and counted), and the engine still shuts down at once.
+// once are bounded in number (2), those waiting their turn too (4096, the whole queue while
+// nothing else waits; past that they are dropped and counted), and the engine still shuts down at
+// once.
 TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
   decode_io_timeout_ = 600s;
   handshake_timeout_s_ = 600;  // what bounds a release: only the shutdown can end them here
@@ -2088,7 +2089,7 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
       accepted.push_back(std::move(c));
     }
   });
-  for (int i = 0; i < 2 + 512 + 3; ++i)
+  for (int i = 0; i < 2 + 4096 + 3; ++i)
     decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
                             {1, 2});
   const auto count = [&] {
@@ -2145,8 +2146,8 @@ TEST_F(KvTransferAgents, AHungPrefillEngineHoldsUpOnlyItsOwnReleases) {
 // Black-holed prefill hosts (their SYNs dropped: here listeners whose accept queues are full) hold
 // each release to them for the handshake timeout (1 s), not the I/O timeout (600 s): 16 releases
 // to four of them held a release to a healthy engine queued behind them for that long. (They and
-// the healthy engine share 127.0.0.1, whose 4 senders the holes take: the healthy one's release
-// goes when the first of them gives up.)
+// the healthy engine share 127.0.0.1: the holes take 2 senders each, and the healthy one's
+// release goes at once.)
 TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTimeout) {
   decode_io_timeout_ = 600s;
   handshake_timeout_s_ = 1;

@@ -47,18 +47,19 @@ constexpr int64_t kMaxWorkers = kMaxConnections + 128;
 // counted; the prefill engine frees what nobody releases when it expires anyway.
 constexpr int64_t kMaxReleases = 16;
 constexpr size_t kMaxQueuedReleases = 4096;
-// Of those, to one host (as a release names it) and to one prefill engine on it (host and port):
-// a hung engine holds each of its senders for the handshake timeout, and a burst to it (a gateway
-// cancelling the legs of a prefill engine it just ejected) took every sender, so that releases to
-// healthy engines waited behind it. A bound per engine alone let a hung machine with four engines
-// (one per GPU) take all 16; a hung engine's host-mates keep half of their host's senders. The
-// others wait their turn, at most a quarter of the queue for one host and an eighth for one engine
-// (past that dropped and counted).
-constexpr int64_t kMaxReleasesPerHost = 4;
+// Of those, to one prefill engine (host and port): a hung one holds each of its senders for the
+// handshake timeout, and a burst to it (a gateway cancelling the legs of a prefill engine it just
+// ejected) took every sender, so that releases to healthy engines waited behind it. A host (as a
+// release names it) has a share of the senders: past it, its engines get a sender only while no
+// message of a host within its share waits for one. A hung machine (four engines, one per GPU)
+// thus leaves other machines' releases the first senders to end, and a hung engine does not hold
+// up its host-mates, while one machine alone (every engine of `tandem serve` on one host) may use
+// every sender. The queue is shared alike: one engine may fill it while it has room, and once it
+// is full a message to an engine with a shorter queue takes the place of the newest message of
+// the longest (dropped and counted); past that, the newcomer is.
 constexpr int64_t kMaxReleasesPerPeer = 2;
-constexpr size_t kMaxQueuedReleasesPerHost = kMaxQueuedReleases / 4;
-constexpr size_t kMaxQueuedReleasesPerPeer = kMaxQueuedReleasesPerHost / 2;
-static_assert(kMaxReleasesPerPeer < kMaxReleasesPerHost && kMaxReleasesPerHost < kMaxReleases);
+constexpr int64_t kReleaseShareOfHost = 4;
+static_assert(kMaxReleasesPerPeer < kReleaseShareOfHost && kReleaseShareOfHost < kMaxReleases);
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 // How often a prefill engine serving a registered room looks whether its decode engine is still
@@ -1284,18 +1285,23 @@ void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFra
 
 bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
   ReleasePeer& peer = release_peers_[r.peer()];
-  ReleaseHost& host = release_hosts_[r.host];
-  // One that a sender takes at once is not held to the queue's bounds (it does not wait).
-  const bool waits = releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer ||
-                     host.sending >= kMaxReleasesPerHost || !peer.queued.empty();
-  if (waits &&
-      (queued_releases_ >= kMaxQueuedReleases || peer.queued.size() >= kMaxQueuedReleasesPerPeer ||
-       host.queued >= kMaxQueuedReleasesPerHost)) {
-    forget_idle_release_peer_locked(r.host, r.peer());
-    return false;
+  // One that a sender takes at once is not held to the queue's bound (it does not wait).
+  const bool waits =
+      releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer || !peer.queued.empty();
+  if (waits && queued_releases_ >= kMaxQueuedReleases) {
+    ReleasePeer* longest = &peer;
+    for (auto& [name, other] : release_peers_)
+      if (other.queued.size() > longest->queued.size()) longest = &other;
+    // Its own engine's would still be as long: the newcomer is the one dropped.
+    if (longest->queued.size() <= peer.queued.size() + 1) {
+      forget_idle_release_peer_locked(r.host, r.peer());
+      return false;
+    }
+    longest->queued.pop_back();
+    --queued_releases_;
+    metrics_->releases_dropped.inc();
   }
   peer.queued.push_back(std::move(r));
-  ++host.queued;
   ++queued_releases_;
   return true;
 }
@@ -1320,7 +1326,6 @@ void KvTransferAgent::start_release_senders() {
       --releasing_;
       --release_peers_[first->peer()].sending;
       --release_hosts_[first->host].sending;
-      ++release_hosts_[first->host].queued;
       ++queued_releases_;
       release_peers_[first->peer()].queued.push_front(std::move(*first));
       return;
@@ -1346,21 +1351,23 @@ void KvTransferAgent::send_releases(QueuedRelease first) {
 std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_locked() {
   // Round the engines from the one after the last picked: each engine's queue is in order, and
   // one with thousands of messages behind a hung peer costs a pick no more than one with none.
-  auto it = release_peers_.upper_bound(last_release_peer_);
-  for (size_t n = release_peers_.size(); n > 0; --n, ++it) {
-    if (it == release_peers_.end()) it = release_peers_.begin();
-    ReleasePeer& peer = it->second;
-    if (peer.queued.empty() || peer.sending >= kMaxReleasesPerPeer) continue;
-    ReleaseHost& host = release_hosts_[peer.queued.front().host];
-    if (host.sending >= kMaxReleasesPerHost) continue;
-    QueuedRelease next = std::move(peer.queued.front());
-    peer.queued.pop_front();
-    ++peer.sending;
-    --host.queued;
-    ++host.sending;
-    --queued_releases_;
-    last_release_peer_ = it->first;
-    return next;
+  // Engines of hosts within their share first; those of hosts past it only when none is left.
+  for (const bool past_share : {false, true}) {
+    auto it = release_peers_.upper_bound(last_release_peer_);
+    for (size_t n = release_peers_.size(); n > 0; --n, ++it) {
+      if (it == release_peers_.end()) it = release_peers_.begin();
+      ReleasePeer& peer = it->second;
+      if (peer.queued.empty() || peer.sending >= kMaxReleasesPerPeer) continue;
+      ReleaseHost& host = release_hosts_[peer.queued.front().host];
+      if (!past_share && host.sending >= kReleaseShareOfHost) continue;
+      QueuedRelease next = std::move(peer.queued.front());
+      peer.queued.pop_front();
+      ++peer.sending;
+      ++host.sending;
+      --queued_releases_;
+      last_release_peer_ = it->first;
+      return next;
+    }
   }
   return std::nullopt;
 }
@@ -1370,8 +1377,8 @@ void KvTransferAgent::forget_idle_release_peer_locked(const std::string& host,
   if (auto it = release_peers_.find(peer);
       it != release_peers_.end() && it->second.sending == 0 && it->second.queued.empty())
     release_peers_.erase(it);
-  if (auto it = release_hosts_.find(host);
-      it != release_hosts_.end() && it->second.sending == 0 && it->second.queued == 0)
+  // A host's entry counts its senders only (next_release_locked makes one when it starts one).
+  if (auto it = release_hosts_.find(host); it != release_hosts_.end() && it->second.sending == 0)
     release_hosts_.erase(it);
 }
 

@@ -261,9 +261,11 @@ class KvTransferAgent final : public KvTransfers {
   // handshake and answer, its clock started once the host's name is resolved); more wait their
   // turn, up to kMaxQueuedReleases, and past that are dropped and counted (a client naming a
   // silent host in many refused requests must not tie up the transfer threads). Of those,
-  // kMaxReleasesPerPeer at once go to one prefill engine and kMaxQueuedReleasesPerPeer wait for
-  // it, and kMaxReleasesPerHost and kMaxQueuedReleasesPerHost to all those on one host (as
-  // `host` names it): a hung engine, or a hung machine of them, holds up only its own. One whose
+  // kMaxReleasesPerPeer at once go to one prefill engine, and past kReleaseShareOfHost to the
+  // engines of one host (as `host` names it) only while no other host's message could go: a hung
+  // engine holds up only its own, a hung machine of them leaves other hosts the senders that end
+  // first, and one host alone may use them all. When the queue is full, a message to an engine
+  // with a shorter queue takes the place of the newest of the longest (that one dropped). One whose
   // sender cannot start (the process is out of threads) stays queued for the next try.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
@@ -305,17 +307,18 @@ class KvTransferAgent final : public KvTransfers {
     std::string request;
     std::string peer() const { return host + ":" + std::to_string(port); }  // the engine told
   };
-  // Under mutex_: `r` waits for a sender; false when it must be dropped (too many wait).
+  // Under mutex_: `r` waits for a sender; false when it must be dropped (too many wait), else
+  // perhaps in place of another engine's newest message (dropped and counted).
   bool queue_release_locked(QueuedRelease r);
   // Starts senders for queued messages while there are senders to spare and messages they may
   // take.
   void start_release_senders();
-  // A sender, on a worker: `first`, then queued messages whose engine and host have a sender to
-  // spare, until none is left.
+  // A sender, on a worker: `first`, then queued messages next_release_locked picks, until none is
+  // left.
   void send_releases(QueuedRelease first);
   void send_release(const QueuedRelease& r);  // failures are ignored
-  // Under mutex_: the next queued message whose engine and host have a sender to spare, counted as
-  // sent: engines in turn, each one's in order; O(engines).
+  // Under mutex_: the next queued message whose engine has a sender to spare, those of hosts
+  // within their share first, counted as sent: engines in turn, each one's in order; O(engines).
   std::optional<QueuedRelease> next_release_locked();
   // Under mutex_: forgets the engine `peer` and `host` when nothing is sent or queued for them.
   void forget_idle_release_peer_locked(const std::string& host, const std::string& peer);
@@ -374,7 +377,6 @@ class KvTransferAgent final : public KvTransfers {
   };
   struct ReleaseHost {
     int64_t sending = 0;  // senders at work on messages to its engines
-    size_t queued = 0;    // its engines' messages waiting
   };
   std::map<std::string, ReleasePeer> release_peers_;            // by QueuedRelease::peer()
   std::string last_release_peer_;                               // the last one picked
