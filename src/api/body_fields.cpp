@@ -34,14 +34,21 @@ bool is_whole_number(const json& v) {
   return std::isfinite(d) && d == std::trunc(d);
 }
 
-int64_t whole_number(const json& v, const std::string& name) {
-  if (!is_whole_number(v)) fail(name, "'" + name + "' must be an integer");
+std::optional<int64_t> whole_number_value(const json& v) {
+  if (!is_whole_number(v)) return std::nullopt;
   // 2^63 is exact as a double; a float at or past it (or below -2^63) has no int64 value.
   constexpr double kLimit = 9223372036854775808.0;
   if ((v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}) ||
       (v.is_number_float() && (v.get<double>() >= kLimit || v.get<double>() < -kLimit)))
-    fail(name, "'" + name + "' is too large: " + v.dump());
+    return std::nullopt;
   return v.is_number_float() ? static_cast<int64_t>(v.get<double>()) : v.get<int64_t>();
+}
+
+int64_t whole_number(const json& v, const std::string& name) {
+  if (!is_whole_number(v)) fail(name, "'" + name + "' must be an integer");
+  const std::optional<int64_t> value = whole_number_value(v);
+  if (!value) fail(name, "'" + name + "' is too large: " + v.dump());
+  return *value;
 }
 
 int64_t integer(const json& body, const char* name, int64_t fallback) {

@@ -2,6 +2,7 @@
 // Reading the fields of a JSON request body the way every API parser here does: null counts as
 // absent, and a field of the wrong type is an ApiError (400) that names it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,9 @@ bool boolean(const nlohmann::json& body, const char* name, bool fallback);
 bool is_whole_number(const nlohmann::json& v);
 // A whole number's int64 value; fails naming `name` for anything else or one outside int64.
 int64_t whole_number(const nlohmann::json& v, const std::string& name);
+// The same value, or nullopt where whole_number fails: for a reader that leaves the refusal to
+// the engine (the gateway's fan-out and priority classes read the fields as the engine does).
+std::optional<int64_t> whole_number_value(const nlohmann::json& v);
 
 // A non-empty list of numbers (a prompt given as token ids rather than text).
 bool is_token_list(const nlohmann::json& v);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "api/body_fields.h"
 #include "api/error.h"
 #include "gateway/answer_text.h"
 
@@ -30,14 +31,6 @@ bool may_hold_prompt_list(std::string_view body) {
     if (i < body.size() && (body[i] == '"' || body[i] == '[')) return true;
   }
   return false;
-}
-
-// A JSON integer's value, or nullopt for anything else (a huge unsigned one as the largest).
-std::optional<int64_t> integer_of(const json& v) {
-  if (v.is_number_unsigned())
-    return v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(v.get<uint64_t>());
-  if (v.is_number_integer()) return v.get<int64_t>();
-  return std::nullopt;
 }
 
 // The answer id of choice i's request without the "-i" its request id ends with (the front end
@@ -84,12 +77,12 @@ ChoiceRequests split_choices(std::string_view path, const json& body, std::strin
   if ((!chat && !completions) || !body.is_object()) return out;
   int64_t n = 1;
   if (const auto it = body.find("n"); it != body.end() && !it->is_null()) {
-    const auto v = integer_of(*it);
+    const auto v = api::whole_number_value(*it);
     if (!v || *v < 1 || *v > int64_t(kMaxFanOut)) return out;  // the engine names the field
     n = *v;
   }
   if (const auto it = body.find("best_of"); it != body.end() && !it->is_null())
-    if (chat || integer_of(*it) != n) return out;  // not a chat parameter
+    if (chat || api::whole_number_value(*it) != n) return out;  // not a chat parameter
   const json* prompts = nullptr;
   if (completions)
     if (const auto it = body.find("prompt"); it != body.end() && it->is_array() && it->size() > 1 &&
@@ -114,12 +107,11 @@ ChoiceRequests split_choices(std::string_view path, const json& body, std::strin
                             std::to_string(count) + " ('n' " + std::to_string(n) + " times " +
                             std::to_string(prompt_count) + " prompts)",
                         "n"};
+  // As the engine reads it (an int64, 42.0 as 42, seeding an unsigned 64-bit number); another
+  // value stays in every choice's body for the engine to refuse.
   std::optional<uint64_t> seed;
-  if (const auto it = body.find("seed"); it != body.end()) {
-    if (it->is_number_unsigned()) seed = it->get<uint64_t>();
-    if (it->is_number_integer() && !it->is_number_unsigned())
-      seed = static_cast<uint64_t>(it->get<int64_t>());  // as the engine reads it
-  }
+  if (const auto it = body.find("seed"); it != body.end())
+    if (const auto value = api::whole_number_value(*it)) seed = static_cast<uint64_t>(*value);
   json base = json::object();
   for (const auto& [key, value] : body.items())
     if (key != "n" && key != "best_of" && !(prompts && key == "prompt") && !(seed && key == "seed"))
@@ -140,10 +132,12 @@ ChoiceRequests split_choices(std::string_view path, const json& body, std::strin
     if (prompts) members = "\"prompt\":" + (*prompts)[i / per_prompt].dump();
     if (seed) {
       if (!members.empty()) members += ',';
-      // As the engine seeds choices: each prompt of a list from the request's seed (vLLM).
+      // As the engine seeds choices: each prompt of a list from the request's seed (vLLM). Written
+      // as the int64 of the same 64 bits (seed -3's choice 1 is -2, INT64_MAX's is INT64_MIN):
+      // the engine takes a seed within int64 only.
       const size_t choice = i % per_prompt;
-      members +=
-          "\"seed\":" + (choice == 0 ? body.at("seed").dump() : std::to_string(*seed + choice));
+      members += "\"seed\":" + (choice == 0 ? body.at("seed").dump()
+                                            : std::to_string(static_cast<int64_t>(*seed + choice)));
     }
     out.bodies.push_back(members.empty() ? base_text : splice_fields(base_text, members));
   }

@@ -1,9 +1,11 @@
 #include "gateway/priority.h"
 
 #include <algorithm>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
+#include "api/body_fields.h"
 #include "api/error.h"
 
 namespace tandem::gateway {
@@ -23,10 +25,10 @@ namespace {
 }
 
 size_t requested_class(const PriorityClasses& pc, const nlohmann::json& priority) {
-  if (priority.is_number_integer()) {
-    const int64_t value = priority.get<int64_t>();
+  if (const std::optional<int64_t> value = api::whole_number_value(priority)) {
+    // 1.0 as 1, as the engine reads vLLM's integer priority.
     for (size_t i = 0; i < pc.classes.size(); ++i)
-      if (pc.classes[i].priority == value) return i;
+      if (pc.classes[i].priority == *value) return i;
   } else if (priority.is_string()) {
     const auto& name = priority.get_ref<const std::string&>();
     for (size_t i = 0; i < pc.classes.size(); ++i)

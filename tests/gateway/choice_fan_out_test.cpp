@@ -114,6 +114,38 @@ TEST(SplitChoices, OneChoiceOrWhatTheEngineMustRefuseIsNotSplit) {
   EXPECT_TRUE(split_of("/v1/embeddings", {{"input", "x"}, {"n", 2}}).bodies.empty());
 }
 
+// An integer field given as a whole float (what the openai npm client sends for a computed
+// number) counts as the engine reads it (api::whole_number): "n": 2.0 is two choices, "n": 1.0 and
+// "best_of": 1.0 with a list of prompts one per prompt, and a seed of 42.0 seeds choice i 42 + i.
+TEST(SplitChoices, WholeFloatsAreTheirIntegersAsTheEngineReadsThem) {
+  const auto two = parsed(split_of("/v1/completions", {{"prompt", "x"}, {"n", 2.0}}));
+  EXPECT_EQ(two.size(), 2u);
+  const auto seeded =
+      parsed(split_of("/v1/completions", {{"prompt", "x"}, {"n", 2}, {"seed", 42.0}}));
+  ASSERT_EQ(seeded.size(), 2u);
+  EXPECT_EQ(seeded[0]["seed"].get<double>(), 42.0);
+  EXPECT_EQ(seeded[1]["seed"].get<double>(), 43.0);
+  // A choice's seed stays within int64, which the engine takes: the same 64 bits counted up.
+  for (const int64_t first : {int64_t{-3}, INT64_MAX}) {
+    const auto edge =
+        parsed(split_of("/v1/completions", {{"prompt", "x"}, {"n", 2}, {"seed", first}}));
+    ASSERT_EQ(edge.size(), 2u);
+    EXPECT_TRUE(edge[1]["seed"].is_number_integer() && !edge[1]["seed"].is_number_unsigned())
+        << edge[1]["seed"];
+    EXPECT_EQ(static_cast<uint64_t>(edge[1]["seed"].get<int64_t>()),
+              static_cast<uint64_t>(first) + 1);
+  }
+  const auto prompts =
+      parsed(split_of("/v1/completions", {{"prompt", {"a", "b"}}, {"n", 1.0}, {"best_of", 1.0}}));
+  ASSERT_EQ(prompts.size(), 2u);
+  EXPECT_EQ(prompts[0]["prompt"], "a");
+  EXPECT_EQ(prompts[1]["prompt"], "b");
+  // Not whole, or past int64: not split, and the engine refuses it naming the field.
+  for (const json& n : {json(2.5), json(1e30), json(9223372036854775808ull)})
+    EXPECT_TRUE(split_of("/v1/completions", {{"prompt", "x"}, {"n", n}}).bodies.empty())
+        << n.dump();
+}
+
 // An engine reads objects in their key order (it shows tools to the model, and generates a
 // schema's properties, in it): each choice's body keeps the client's, where a body dumped from
 // nlohmann::json had its keys sorted.

@@ -102,6 +102,9 @@ TEST(PriorityClass, ARequestChoosesByValueOrNameElseTheDefault) {
   EXPECT_EQ(request_class(pc, json(0), ""), 0u);
   EXPECT_EQ(request_class(pc, json(10), "unmapped-key"), 2u);
   EXPECT_EQ(request_class(pc, json("batch"), ""), 2u);
+  // A whole float is its integer, as the engine reads priority (api::whole_number).
+  EXPECT_EQ(request_class(pc, json(5.0), ""), 1u);
+  EXPECT_EQ(request_class(pc, json(10.0), ""), 2u);
 }
 
 TEST(PriorityClass, AMappedKeyDecidesAndARequestMayOnlyLowerIt) {
