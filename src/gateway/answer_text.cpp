@@ -254,8 +254,27 @@ EngineError read_engine_error(std::string_view body) {
   return {false, quoted_error_text(body)};
 }
 
+int client_error_status(std::string_view error_event) {
+  // An error object is a few hundred bytes; a larger event is no client's error of an engine's.
+  constexpr size_t kMaxErrorObjectBytes = size_t{64} << 10;
+  if (error_event.size() > kMaxErrorObjectBytes) return 0;
+  const nlohmann::json doc = nlohmann::json::parse(error_event, nullptr, false);
+  if (!doc.is_object()) return 0;
+  const auto error = doc.find("error");
+  if (error == doc.end() || !error->is_object()) return 0;
+  for (const char* key : {"code", "status"}) {
+    const auto number = error->find(key);
+    if (number == error->end() || !number->is_number_integer()) continue;
+    const int64_t status = number->get<int64_t>();
+    if (status < 100 || status >= 600) continue;  // a code of another kind
+    return status >= 400 && status < 500 && status != 429 ? static_cast<int>(status) : 0;
+  }
+  const auto type = error->find("type");
+  return type != error->end() && *type == "invalid_request_error" ? 400 : 0;
+}
+
 bool carries_tokens(std::string_view data) {
-  return data != "[DONE]" && !is_usage_chunk(data);
+  return data != "[DONE]" && !is_usage_chunk(data) && !is_error_event(data);
 }
 
 }  // namespace tandem::gateway

@@ -180,8 +180,14 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
     return;
   }
   if (!error_event.empty()) {
-    l.engine_error = true;
     l.body = {};
+    // The client's error, found once generation started: answered as the engine's 4xx answer
+    // is, to the client without retry, and no fault of the engine's.
+    if (const int status = client_error_status(error_event); status > 0) {
+      dispatcher_.leg_failed(r, attempt, endpoint_id, status, error_event, {});
+      return;
+    }
+    l.engine_error = true;
     dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
                            "prefill engine " + where + " failed: " +
                                api::openai_error_message(error_event).value_or(error_event));
@@ -269,7 +275,12 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     if (l.state != LegState::kRelaying) {
       if (error_event) {  // failed before any token: the client has seen nothing
         l.body = std::string(data);
-        l.engine_error = true;
+        // The client's error (relay_done answers it) is no fault of the engine's: the rest of
+        // its stream is cut by the gateway's choice.
+        if (client_error_status(data) > 0)
+          l.gateway_cancelled = true;
+        else
+          l.engine_error = true;
         refused = true;
         return;
       }
@@ -288,13 +299,14 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       r->reply->start_stream(200, "text/event-stream");
     } else if (error_event) {
       // The engine failed after the client got tokens (our engines and vLLM then send an error
-      // event and [DONE]): relayed as it came, but the request failed, and so did the engine.
-      l.engine_error = true;
+      // event and [DONE]): relayed as it came, but the request failed, and so did the engine,
+      // unless the error is the client's.
+      if (client_error_status(data) == 0) l.engine_error = true;
       if (l.body.empty()) l.body = std::string(data);
     }
     if (carries_tokens(data)) {
       ++token_events;
-    } else if (!done) {  // the usage chunk: what the engine generated, and reused
+    } else if (!done && !error_event) {  // the usage chunk: what the engine generated, and reused
       if (const int64_t tokens = usage_completion_tokens(data); tokens >= 0)
         completion_tokens = tokens;
       if (computes_prompt_) {
@@ -428,6 +440,12 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       outcome.status = 502;
       outcome.error =
           "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body);
+    } else if (!l.body.empty()) {
+      // The client's error in an error event (relay_piece), then [DONE]: the client has both as
+      // they came, and the request failed as the client's, not the engine's.
+      outcome.status = client_error_status(l.body);
+      outcome.error = "engine " + where +
+                      " refused the request: " + api::openai_error_message(l.body).value_or(l.body);
     }
     const std::string cut = outcome.error;
     // Recorded first: cutting the stream closes the exchange, which reports a client gone.
@@ -491,6 +509,13 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
             " ms), which bounds a non-streaming answer; not retried, as another engine would "
             "take as long: ask with \"stream\": true to receive it as it is generated",
         "timeout");
+    return;
+  }
+  if (!l.engine_error && l.streaming && !l.body.empty()) {
+    // A stream that began with the client's error (relay_piece): answered as the engine's 4xx
+    // answer is, with the engine's error, to the client without retry or blame.
+    const int status = client_error_status(l.body);  // read before the body moves
+    dispatcher_.leg_failed(r, attempt, endpoint_id, status, std::move(l.body), {});
     return;
   }
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
