@@ -1302,6 +1302,29 @@ class KvTransferAgents : public ::testing::Test {
     EXPECT_FALSE(late.called);
   }
 
+  // A decode leg that registered and waited out its timeout (1 s), its prefill leg not come; the
+  // prefill engine's room timed out too (1 s). Its deadline was looked at before its connection,
+  // so it failed as 'no prefill request ... arrived' and left no refusal: a prefill leg coming
+  // later opened a fresh room and waited out the timeout for a decode leg that was gone. It is
+  // refused at once now, as the simulator's is.
+  void a_decode_that_timed_out_before_the_prefill_leg_has_it_refused() {
+    decode_timeout_s_ = 1;
+    start(1);
+    auto [id, o] = register_decode(73);
+    EXPECT_FALSE(wait(o).ok);
+    ASSERT_TRUE(queue_.run_until(
+        [&] { return prefill_metrics_.render().find("result=\"error\"") != std::string::npos; }));
+    RoomOutcome late;
+    try {
+      open(73, kv_prompt_hash(prompt_), 11, room_done(late));
+      ADD_FAILURE() << "open_room accepted a room whose decode leg gave up";
+      prefill_->room_failed(73, claims_[73], "test over");
+    } catch (const KvTransferError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("bootstrap_room 73"));
+      EXPECT_TRUE(e.room_abandoned);
+    }
+  }
+
   // A pull refused because every connection the prefill engine allows from this address is in
   // use (64 silent ones, in their handshake) says so (prefill_busy), blames no engine, and leaves
   // the hold there: the same pull takes the KV once a connection is free. It was a code-less
@@ -2777,6 +2800,13 @@ TEST_F(KvTransferAgents, ADecodeThatLeftBeforeThePrefillLegHasItRefused) {
 }
 TEST_F(KvTransferOverShm, ADecodeThatLeftBeforeThePrefillLegHasItRefused) {
   a_decode_that_left_before_the_prefill_leg_has_it_refused();
+}
+
+TEST_F(KvTransferAgents, ADecodeThatTimedOutBeforeThePrefillLegHasItRefused) {
+  a_decode_that_timed_out_before_the_prefill_leg_has_it_refused();
+}
+TEST_F(KvTransferOverShm, ADecodeThatTimedOutBeforeThePrefillLegHasItRefused) {
+  a_decode_that_timed_out_before_the_prefill_leg_has_it_refused();
 }
 
 // A register request that is not an object, or whose checksum is not a bool: the peer is told

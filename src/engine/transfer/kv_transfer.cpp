@@ -1083,6 +1083,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   // still succeed into a socket buffer): the room then fails at once, as an abandoned one does,
   // instead of holding the prefill leg's blocks and answer until the timeout.
   bool decode_gone = false;
+  bool timed_out = false;
   auto next_peer_check = Clock::now() + kPeerCheck;
   const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
                            " closed its connection (its request ended)";
@@ -1160,6 +1161,10 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       continue;
     }
     if (Clock::now() >= r->deadline) {
+      // A decode leg that gave up too (its timeout is as long) is told apart from one still
+      // waiting: the refusal below names why, as for one seen leaving between the checks.
+      if (failed_if_decode_left()) break;
+      timed_out = true;
       failure = r->has_prefill
                     ? "the prefill of bootstrap_room " + std::to_string(room) +
                           " did not complete within " + seconds_text(config_.timeout_s) + " s"
@@ -1178,9 +1183,11 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   const bool had_prefill = r->has_prefill;
   // A decode leg that left is no fault of this engine's: its prefill leg fails as one whose room
   // was abandoned (KvTransferError::room_abandoned), and one still to come is refused when it
-  // arrives rather than waiting out the timeout for a decode engine that is gone.
+  // arrives rather than waiting out the timeout for a decode engine that is gone. So is one
+  // that comes after the room timed out: its decode leg has been told so and waits no more.
   finish_room(room, ok, failure, decode_gone);
-  if (decode_gone && !had_prefill) leave_refusal(room, failure, true, hash, prompt_tokens);
+  if ((decode_gone || timed_out) && !had_prefill)
+    leave_refusal(room, failure, true, hash, prompt_tokens);
   lock.unlock();
   if (!ok && !decode_gone) send_error(conn, failure);
 }
