@@ -355,10 +355,9 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
   p.ignore_eos = boolean(body, "ignore_eos", false);
   p.include_stop_str_in_output = boolean(body, "include_stop_str_in_output", false);
   p.skip_special_tokens = boolean(body, "skip_special_tokens", true);
-  if (const json* s = field(body, "seed")) {
-    p.seed = s->is_number_unsigned() ? s->get<uint64_t>()
-                                     : static_cast<uint64_t>(whole_number(*s, "seed"));
-  }
+  // vLLM's int64 (ge=_INT64_MIN, le=_INT64_MAX); a negative one seeds the unsigned number of the
+  // same bits.
+  if (const json* s = field(body, "seed")) p.seed = static_cast<uint64_t>(whole_number(*s, "seed"));
   if (const json* s = field(body, "stop")) {
     if (s->is_string()) {
       p.stop.push_back(s->get<std::string>());
