@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -153,7 +154,7 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
     for (const RequestPtr& r : group) answer_error(r, 400, why);
     return;
   }
-  const std::string refused = make_room(arriving_class, places);
+  const std::string refused = make_room(arriving_class);
   bool queued = false;
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
@@ -171,89 +172,65 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
   dispatch(waiting_.back()->queued_at);
 }
 
-// A full queue gives a higher class's arrival the places of lower classes' waiting requests
+// A full queue gives a higher class's arrival the place of lower classes' waiting requests
 // (docs/gateway.md, "Priority classes"): interactive traffic must not be refused behind batch
 // traffic, whether it asks for one choice or several.
-std::string Dispatcher::make_room(int arriving_class, size_t places) {
+std::string Dispatcher::make_room(int arriving_class) {
   const size_t max = topo_.max_queue;
-  // Retries and decode stages rejoin the queue past its bound (they are no arrivals).
-  const size_t taken = std::min(waiting_.size(), max);
-  if (places <= max - taken) return {};
+  // One free place admits an arrival whole: a group of n overshoots max_queue by at most n - 1
+  // (n <= max_queue: submit). Needing all n places at once, a group met a queue kept near its
+  // bound by single requests full every time, and starved. Retries and decode stages rejoin the
+  // queue past its bound (they are no arrivals).
+  if (waiting_.size() < max) return {};
   const std::string full =
-      places == 1
-          ? "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later"
-          : "the gateway queue is full: this request's " + std::to_string(places) +
-                " choices need as many places and " + std::to_string(taken) + " of its " +
-                std::to_string(max) + " are taken; retry later";
+      "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later";
   // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
   if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return full;
   // Only work never sent to an engine gives up its place: a request waiting to decode, or for a
-  // retry, holds work (and maybe KV) already done for it; a group gives up all its places or none,
-  // and none while any of its choices was sent (shed, the choices under way would fail with it).
-  auto sheddable = [&](const RequestPtr& r) {
-    return r && r->priority_class > arriving_class && r->booking == Booking::kQueued &&
-           r->stage == Stage::kFirst && r->attempt == 0 && !r->ended();
+  // retry, holds work (and maybe KV) already done for it. Cheap checks of each request first: a
+  // refused arrival at a queue of unsheddable work costs one pass of them.
+  auto sheddable = [&](Request& r) {
+    return r.priority_class > arriving_class && r.booking == Booking::kQueued &&
+           r.stage == Stage::kFirst && r.attempt == 0 && !r.ended();
   };
-  struct Unit {
-    std::vector<RequestPtr> requests;  // a single request, or every choice of a group
-    int priority_class;
-    Clock::time_point queued_at;
-    size_t last;  // its newest request's place in the queue: the newer of two with one queued_at
-  };
-  constexpr size_t kNotSheddable = SIZE_MAX;
-  std::vector<Unit> units;
-  std::unordered_map<const void*, size_t> unit_of;  // by group (or lone request)
-  for (size_t i = 0; i < waiting_.size(); ++i) {
-    const RequestPtr& r = waiting_[i];
-    const void* key =
-        r->submitted_with ? static_cast<const void*>(r->submitted_with.get()) : r.get();
-    auto [it, fresh] = unit_of.try_emplace(key, kNotSheddable);
-    if (fresh) {
-      std::vector<RequestPtr> requests;
-      if (r->submitted_with)
-        for (const auto& weak : *r->submitted_with) requests.push_back(weak.lock());
-      else
-        requests.push_back(r);
-      if (std::all_of(requests.begin(), requests.end(), sheddable)) {
-        it->second = units.size();
-        units.push_back({std::move(requests), r->priority_class, r->queued_at, i});
+  // The place of the lowest class's newest request (the work that waited least) is freed: arrivals
+  // join the back of the queue, and only retries and decode stages (never sheddable) its front, so
+  // from the back the first of a class is its newest. A group (Request::submitted_with) gives up
+  // all its places or none, and none while any of its choices was sent (shed, the choices under
+  // way would fail with it).
+  RequestPtr chosen;
+  std::unordered_set<const void*> groups_kept;  // groups seen with a choice not sheddable
+  for (size_t i = waiting_.size(); i-- > 0;) {
+    Request& r = *waiting_[i];
+    if ((chosen && r.priority_class <= chosen->priority_class) || !sheddable(r)) continue;
+    if (r.submitted_with) {
+      if (groups_kept.count(r.submitted_with.get())) continue;
+      const bool whole =
+          std::all_of(r.submitted_with->begin(), r.submitted_with->end(), [&](const auto& weak) {
+            const RequestPtr choice = weak.lock();
+            return choice && sheddable(*choice);
+          });
+      if (!whole) {
+        groups_kept.insert(r.submitted_with.get());
+        continue;
       }
     }
-    if (it->second == kNotSheddable) continue;
-    Unit& u = units[it->second];
-    u.queued_at = std::max(u.queued_at, r->queued_at);
-    u.last = i;
+    chosen = waiting_[i];
   }
-  // The lowest class first, within it the newest (the work that waited least).
-  std::sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) {
-    if (a.priority_class != b.priority_class) return a.priority_class > b.priority_class;
-    if (a.queued_at != b.queued_at) return a.queued_at > b.queued_at;
-    return a.last > b.last;
-  });
-  const size_t needed = places - (max - taken);
-  size_t freed = 0, chosen = 0;
-  while (chosen < units.size() && freed < needed) freed += units[chosen++].requests.size();
-  if (freed < needed) return full;  // all or none: shedding could not make room
-  // A unit taken early (a small one) that a larger one taken after made needless keeps its place.
-  std::vector<const Unit*> shed;
-  for (size_t i = chosen; i-- > 0;) {
-    const size_t size = units[i].requests.size();
-    if (freed - size >= needed) {
-      freed -= size;
-      continue;
-    }
-    shed.push_back(&units[i]);
-  }
+  if (!chosen) return full;
+  std::vector<RequestPtr> shed;
+  if (chosen->submitted_with)
+    for (const auto& weak : *chosen->submitted_with) shed.push_back(weak.lock());
+  else
+    shed.push_back(chosen);
   // Out of the queue first, all of them (as a queue timeout: finished() lets go of what each
   // holds), then answered: a group's first answer ends its other choices (ChoiceMerger), which
   // must not still count against the bound.
-  for (const Unit* u : shed)
-    for (const RequestPtr& r : u->requests) remove_waiting(r);
+  for (const RequestPtr& r : shed) remove_waiting(r);
   const std::string why = "the gateway queue is full (" + std::to_string(max) +
                           " requests waiting) and this request was shed for higher-priority "
                           "traffic; retry later";
-  for (const Unit* u : shed)
-    for (const RequestPtr& r : u->requests) answer_overload(r, 429, why);
+  for (const RequestPtr& r : shed) answer_overload(r, 429, why);
   return {};
 }
 

@@ -52,11 +52,10 @@ class Dispatcher {
   // A prepared request (front_end.h) joins the queue; it starts as soon as engines are free.
   void submit(const RequestPtr& r) { submit(std::span(&r, 1)); }
   // Requests admitted together, the choices of one client request (choice_fan_out.h): all join
-  // the queue when it has room for all of them (made by shedding lower classes' waiting requests
-  // where it must: make_room), or all are refused (429); a client never has some of its choices
-  // computed and the rest refused, and the queue never holds more than max_queue after an
-  // arrival. A group larger than max_queue could never join: the client's error (400). Requests
-  // already ended are skipped.
+  // the queue when it has a place free (made by shedding lower classes' waiting requests where it
+  // must: make_room), or all are refused (429); a client never has some of its choices computed
+  // and the rest refused. A group of n overshoots max_queue by at most n - 1; one larger than
+  // max_queue is the client's error (400). Requests already ended are skipped.
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
@@ -165,12 +164,11 @@ class Dispatcher {
   RequestInfo info(const Request& r) const;
   void enqueue(const RequestPtr& r, bool front);
   void arm_queue_timeout(const RequestPtr& r);
-  // An arrival of `arriving_class` needs `places` places in the queue (one, or a group's): when it
-  // lacks them, the waiting work of the classes ranking below it (later classes) that was never
-  // sent to an engine is shed, lowest class and newest first, a group (Request::submitted_with)
-  // whole, each answered 429, until the arrival fits; where shedding all of it would not make room
-  // (or no class ranks below), nothing is shed. Empty when the arrival fits; else the 429's text.
-  std::string make_room(int arriving_class, size_t places);
+  // An arrival of `arriving_class` (one request, or a group) needs one free place in the queue:
+  // at a full queue, the newest waiting request of the lowest class ranking below it that was
+  // never sent to an engine is shed, a group (Request::submitted_with) whole, each answered 429.
+  // Empty when the arrival may join; else the 429's text.
+  std::string make_room(int arriving_class);
   void remove_waiting(const RequestPtr& r);
   // vllm:num_requests_waiting and vllm:num_requests_running (the active ones not waiting).
   void publish_counts();

@@ -1193,24 +1193,25 @@ TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
   EXPECT_EQ(c.engines.open().size(), 1u);
 }
 
-// Requests submitted together join the queue only where it has room for all of them: admitted
-// past max_queue, a group of n > 1 grew the queue beyond its bound by n at every arrival.
-TEST(Dispatcher, RequestsSubmittedTogetherJoinOnlyAQueueWithRoomForAllOfThem) {
+// Requests submitted together join a queue that has a place free, overshooting max_queue by at
+// most their number less one (n is at most max_queue). Needing all their places free at once, a
+// group met a queue kept near its bound by single requests full every time, and starved.
+TEST(Dispatcher, RequestsSubmittedTogetherJoinAQueueWithAPlaceFree) {
   Topology t = aggregated({engine("a", 0, 1)});
   t.max_queue = 3;
   Cluster c(t);
   auto first = c.send();
   auto second = c.send();  // waits
-  for (const auto& client : c.send_together(3)) EXPECT_EQ(client->status, 429);
-  EXPECT_EQ(c.dispatcher.waiting(), 1u);
-  const auto together = c.send_together(2);
+  auto third = c.send();   // waits: one place is left
+  const auto together = c.send_together(3);
   for (const auto& client : together) EXPECT_EQ(client->status, 0);  // no answer yet
-  EXPECT_EQ(c.dispatcher.waiting(), 3u);
-  auto refused = c.send();  // the queue is full now
+  EXPECT_EQ(c.dispatcher.waiting(), 5u);  // 2 past max_queue: the queue is full now
+  auto refused = c.send();
   EXPECT_EQ(refused->status, 429);
-  for (int i = 0; i < 4; ++i) c.answer_all();  // one at a time through the one slot
-  EXPECT_EQ(first->status, 200);
-  EXPECT_EQ(second->status, 200);
+  for (const auto& client : c.send_together(2)) EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(c.dispatcher.waiting(), 5u);
+  for (int i = 0; i < 6; ++i) c.answer_all();  // one at a time through the one slot
+  for (const auto& client : {first, second, third}) EXPECT_EQ(client->status, 200);
   for (const auto& client : together) EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
 }
@@ -3556,10 +3557,10 @@ TEST(Dispatcher, AGroupWithAChoiceAlreadySentIsNotShed) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
-// A higher-class group needing more places than shedding every eligible lower-class request would
-// free sheds nothing and is refused whole (all or none); one that shedding makes room for is
-// admitted. The queue never holds more than max_queue after an arrival.
-TEST(Dispatcher, AGroupThatSheddingCannotMakeRoomForShedsNothing) {
+// A higher-class group at a full queue sheds one place's worth (the newest lower-class request, or
+// group whole) and joins, as a single request does, overshooting max_queue by at most its number
+// less one; with nothing of a lower class left to shed it is refused whole.
+TEST(Dispatcher, AHigherClassGroupAtAFullQueueShedsOnePlacesWorthAndJoins) {
   Topology t = with_classes(aggregated({engine("a", 0, 1)}));
   t.max_queue = 4;
   Cluster c(t);
@@ -3570,20 +3571,23 @@ TEST(Dispatcher, AGroupThatSheddingCannotMakeRoomForShedsNothing) {
   auto batch1 = c.send_body(body, "k-batch");
   auto batch2 = c.send_body(body, "k-batch");
   ASSERT_EQ(c.dispatcher.waiting(), 4u);
-  auto four = c.send_choices(4, "k-chat");  // needs 4 places, 2 could be shed
-  EXPECT_EQ(four->status, 429);
-  EXPECT_EQ(four->answers, 1);
-  EXPECT_NE(four->body.find("queue is full"), std::string::npos) << four->body;
-  EXPECT_FALSE(batch1->complete());
-  EXPECT_FALSE(batch2->complete());
-  EXPECT_EQ(c.dispatcher.waiting(), 4u);
-  auto two = c.send_choices(2, "k-chat");  // 2 places: both batch requests are shed
-  EXPECT_EQ(batch1->status, 429);
+  auto four = c.send_choices(4, "k-chat");  // sheds the newest batch request only
+  EXPECT_FALSE(four->complete());
   EXPECT_EQ(batch2->status, 429);
+  EXPECT_NE(batch2->error_message.find("higher-priority"), std::string::npos)
+      << batch2->error_message;
+  EXPECT_FALSE(batch1->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 7u);
+  auto two = c.send_choices(2, "k-chat");  // sheds the other
+  EXPECT_EQ(batch1->status, 429);
   EXPECT_FALSE(two->complete());
-  EXPECT_EQ(c.dispatcher.waiting(), 4u);
-  for (int i = 0; i < 5; ++i) c.answer_all();
-  for (const auto& client : {running, chat1, chat2, two}) EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.waiting(), 8u);
+  auto refused = c.send_choices(2, "k-chat");  // nothing of a lower class is left
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(refused->answers, 1);
+  EXPECT_NE(refused->body.find("queue is full"), std::string::npos) << refused->body;
+  for (int i = 0; i < 9; ++i) c.answer_all();
+  for (const auto& client : {running, chat1, chat2, four, two}) EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
