@@ -89,17 +89,26 @@ std::vector<AdminApi*> AdminReplicas::all() const {
 
 namespace {
 
-// Why a gateway could not start from `t`, as far as it can be checked without starting one (a
-// port's bind, or a tokenizer's load, cannot): empty when nothing is found.
-std::string start_refusal(const Topology& t) {
-  if (std::string why = unknown_policy_error(t.policy); !why.empty()) return "policy: " + why;
-  if (!t.model.empty() &&
-      !std::filesystem::is_regular_file(std::filesystem::path(t.model) / "tokenizer.json"))
-    return "model: " + t.model + " has no tokenizer.json (the gateway tokenizes with it)";
-  if (!t.access_log.empty() && t.access_log != "-") {
-    const auto dir = std::filesystem::path(t.access_log).parent_path();
+// Why a gateway could not start from the reloaded file `next`, as far as it can be checked without
+// starting one (a port's bind, or a tokenizer's load, cannot): empty when nothing is found. Only
+// the settings the file changed since `then` (its text at start, when it was read) are checked,
+// and not those `running` took from a flag instead: a file's access_log in a folder this host
+// lacks, which `--access-log -` overrode, or a model folder since removed, refused every later
+// reload, even one that only adds an engine.
+std::string start_refusal(const Topology& next, const std::optional<Topology>& then,
+                          const Topology& running) {
+  auto changed = [&](std::string Topology::*setting) {
+    return !then || ((*then).*setting != next.*setting && running.*setting == (*then).*setting);
+  };
+  if (changed(&Topology::policy))
+    if (std::string why = unknown_policy_error(next.policy); !why.empty()) return "policy: " + why;
+  if (changed(&Topology::model) && !next.model.empty() &&
+      !std::filesystem::is_regular_file(std::filesystem::path(next.model) / "tokenizer.json"))
+    return "model: " + next.model + " has no tokenizer.json (the gateway tokenizes with it)";
+  if (changed(&Topology::access_log) && !next.access_log.empty() && next.access_log != "-") {
+    const auto dir = std::filesystem::path(next.access_log).parent_path();
     if (!dir.empty() && !std::filesystem::is_directory(dir))
-      return "access_log: " + t.access_log + ": no such directory";
+      return "access_log: " + next.access_log + ": no such directory";
   }
   return {};
 }
@@ -295,7 +304,7 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
     next = load_topology(config_path_);
     if (const std::string why = reload_refusal(topo_, next); !why.empty()) throw Error(why);
     // Checked as at start: a file the gateway could not start from is no file to run on.
-    if (const std::string why = start_refusal(next); !why.empty())
+    if (const std::string why = start_refusal(next, file_at_start_, topo_); !why.empty())
       throw Error(config_path_ + ": " + why);
   } catch (const std::exception& err) {
     ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());

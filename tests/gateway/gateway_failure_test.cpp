@@ -18,6 +18,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -1006,6 +1007,30 @@ TEST_P(GatewayFailures, AReloadRefusesWhatAStartRefusesAndNamesWhatItDoesNotAppl
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(json::parse(r.body), (json{{"added", 0}, {"removed", 0}}));
   EXPECT_EQ(post(completion()).status, 200);
+}
+
+// A reload checks a start-time setting only where the file changed it: a file whose access_log
+// lies in a folder missing on this host, which the gateway's own setting overrode at start
+// (`--access-log -`), answered 400 to every reload, even one that only adds an engine.
+TEST_P(GatewayFailures, AReloadChecksOnlyTheStartSettingsItsFileChanged) {
+  FakeEngine a("a"), b("b");
+  const auto file = dir_ / "topology.yaml";
+  auto write = [&](const std::string& engines) {
+    std::ofstream(file) << "mode: aggregated\nadmin_api_key: admin\n"
+                        << "access_log: " << (dir_ / "no-such-dir" / "access.jsonl").string()
+                        << "\ndecode: {endpoints: [" << engines << "]}\n";
+  };
+  write("\"" + a.address() + "\"");
+  Topology t = load_topology(file.string());
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.io_threads = GetParam();
+  t.access_log = "-";  // as the flag overrides it
+  start(t, file.string());
+  write("\"" + a.address() + "\", \"" + b.address() + "\"");
+  const auto r = admin("POST", "/admin/reload");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), (json{{"added", 1}, {"removed", 0}}));
 }
 
 TEST_P(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
