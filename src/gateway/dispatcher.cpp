@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -913,8 +914,16 @@ void Dispatcher::enqueue_after_backoff(const RequestPtr& r) {
 bool Dispatcher::only_tried_engines_left(const Request& r, int endpoint_id) const {
   const EndpointState* refused = endpoints_.find(endpoint_id);
   if (!refused) return false;  // removed: its pool may hold none it tried
+  // As the policies see the pool (detail::candidates over the view): only engines that can serve
+  // count (a prefill engine whose group has no eligible decode engine cannot), and a sequential
+  // decode stage's engines only in its prefill's group. Counted as untried, such an engine sent
+  // the retry at once to the policy, which falls back to the engines that refused it.
+  const std::set<int> decoding = endpoints_.decoding_groups();
+  const int group =
+      topo_.mode == PdMode::kSequential && r.stage == Stage::kDecode ? r.prefill_group : -1;
   for (const auto& [id, e] : endpoints_.all())
-    if (e.prefill == refused->prefill && e.eligible() &&
+    if (e.prefill == refused->prefill && EndpointTable::can_serve(e, decoding) &&
+        (group < 0 || e.config.group == group) &&
         std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end())
       return false;
   return true;

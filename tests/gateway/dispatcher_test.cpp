@@ -1418,6 +1418,34 @@ TEST(Dispatcher, SequentialModePrefillsOnlyInAGroupThatCanDecode) {
       << refused->error_message;
 }
 
+// "Every engine was tried" is judged as the policies see the pool: a prefill engine whose group has
+// no eligible decode engine is none the retry could go to. It was counted as untried, so a retry
+// after p0's 429 went straight back to p0 (the policy's fallback to the engines that refused).
+TEST(Dispatcher, ARefusalRetriedWhereOnlyAPrefillEngineOfAGroupThatCannotDecodeIsLeftWaits) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  Topology t = two_groups();
+  t.prefill_retries = 1;
+  t.retry_backoff.first = milliseconds(40);
+  t.retry_backoff.max = milliseconds(400);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c, {"d1"});
+  ASSERT_EQ(c.endpoint("d1")["healthy"], false);
+  auto client = c.send();
+  auto prefill = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefill.size(), 1u);
+  ASSERT_EQ(host_of(*prefill[0]), "p0");
+  FakeEngines::refuse(*prefill[0], 429, full, "3");
+  c.clock.run_ready();
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back";
+  c.clock.advance_by(milliseconds(40));
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u) << "not sent after the backoff";
+  EXPECT_EQ(host_of(*retry[0]), "p0");
+  EXPECT_FALSE(client->complete());
+}
+
 // A 503 that says why no engine took a request names the reason each idle engine could not:
 // a prefill engine whose group cannot decode was "over the policy's load limits", a reason
 // least_load does not even have.
