@@ -122,6 +122,7 @@ std::vector<std::string> not_applied(const Topology& then, const Topology& now) 
   };
   check(then.host == now.host && then.port == now.port && then.io_threads == now.io_threads &&
             then.reuse_port == now.reuse_port && then.max_body_bytes == now.max_body_bytes &&
+            then.max_body_time == now.max_body_time &&
             then.max_unsent_bytes == now.max_unsent_bytes &&
             then.max_connections == now.max_connections &&
             then.max_connections_per_address == now.max_connections_per_address,
@@ -139,26 +140,15 @@ std::vector<std::string> not_applied(const Topology& then, const Topology& now) 
   check(then.max_queue == now.max_queue, "max_queue");
   check(then.max_answer_bytes == now.max_answer_bytes, "max_answer_bytes");
   check(then.prefill_retries == now.prefill_retries, "prefill_retries");
-  check(then.retry_backoff.first == now.retry_backoff.first &&
-            then.retry_backoff.max == now.retry_backoff.max,
-        "retry_backoff");
+  // Whole sections compared (defaulted ==), so a field added to one is covered: comparing a
+  // list of fields missed scheduling.max_hold_ms, cache_aware.*, a class's max_wait_ms ...
+  check(then.retry_backoff == now.retry_backoff, "retry_backoff");
   check(then.access_log == now.access_log, "access_log");
   check(then.shutdown_timeout == now.shutdown_timeout, "shutdown_timeout");
-  const HealthOptions &h0 = then.health, &h1 = now.health;
-  check(h0.probe_interval == h1.probe_interval && h0.probe_timeout == h1.probe_timeout &&
-            h0.failures_to_eject == h1.failures_to_eject && h0.slow_start == h1.slow_start,
-        "health");
-  const Timeouts &t0 = then.timeouts, &t1 = now.timeouts;
-  check(t0.queue == t1.queue && t0.connect == t1.connect && t0.prefill == t1.prefill &&
-            t0.first_token == t1.first_token && t0.idle == t1.idle &&
-            t0.decode_queue == t1.decode_queue,
-        "timeouts");
-  check(then.scheduling.load_interval == now.scheduling.load_interval, "scheduling");
-  std::vector<std::string> classes0, classes1;
-  for (const auto& c : then.priority.classes) classes0.push_back(c.name);
-  for (const auto& c : now.priority.classes) classes1.push_back(c.name);
-  check(classes0 == classes1 && then.priority.api_keys == now.priority.api_keys,
-        "priority_classes");
+  check(then.health == now.health, "health");
+  check(then.timeouts == now.timeouts, "timeouts");
+  check(then.scheduling == now.scheduling, "scheduling");
+  check(then.priority == now.priority, "priority_classes");
   return out;
 }
 

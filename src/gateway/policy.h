@@ -180,6 +180,7 @@ struct CacheAwareOptions {
   double balance_rel_threshold = 1.5;  // ... and max load exceeds min load times this
   std::chrono::milliseconds eviction_interval{120'000};
   int64_t max_tree_size = int64_t{1} << 26;  // tokens per engine in the tree
+  bool operator==(const CacheAwareOptions&) const = default;
 };
 std::unique_ptr<Policy> make_cache_aware_policy(CacheAwareOptions options = {});
 
@@ -187,6 +188,7 @@ std::unique_ptr<Policy> make_cache_aware_policy(CacheAwareOptions options = {});
 struct KvRouterOptions {
   double overlap_score_weight = 1.0;
   int64_t block_size = 16;  // when an engine does not say (EndpointLoad::kv_block_size)
+  bool operator==(const KvRouterOptions&) const = default;
 };
 std::unique_ptr<Policy> make_kv_router_policy(KvRouterOptions options = {});
 
@@ -217,6 +219,7 @@ struct TandemOptions {
   // their next chunk, and prompts longer than the cap keep their arrival order. 0: no deadlines.
   double prefill_deadline_slack = 12;
   double prefill_deadline_cap_s = 5;
+  bool operator==(const TandemOptions&) const = default;
 };
 std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
 

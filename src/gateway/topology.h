@@ -63,6 +63,7 @@ struct HealthOptions {
   // one request (nginx's slow_start): a restarted engine is not flooded while it warms up. 0: at
   // once.
   std::chrono::milliseconds slow_start = std::chrono::seconds(10);
+  bool operator==(const HealthOptions&) const = default;
 };
 
 // How the scheduling thread decides (docs/gateway.md, "Scheduling policies").
@@ -76,6 +77,7 @@ struct SchedulingOptions {
   // free KV, queued prefill and step durations (engine_load.h). Reports older than four
   // intervals are not used.
   std::chrono::milliseconds load_interval{100};
+  bool operator==(const SchedulingOptions&) const = default;
 };
 
 struct Timeouts {
@@ -90,6 +92,7 @@ struct Timeouts {
   // holds the KV only so long (Tandem's and vLLM's NIXL default: 120 s), and the decode engine
   // must still pull it: below that hold.
   std::chrono::milliseconds decode_queue = std::chrono::seconds(90);
+  bool operator==(const Timeouts&) const = default;
 };
 
 // The wait before a request goes again where an immediate retry would meet the same limit: a
@@ -110,6 +113,7 @@ struct RetryBackoff {
   // refused at the same instant do not all come back at one tick to meet the same limit again
   // (Envoy jitters its back-off too).
   std::chrono::milliseconds jittered(int retry, uint64_t random) const;
+  bool operator==(const RetryBackoff&) const = default;
 };
 
 // Priority classes (docs/gateway.md, "Priority classes"): requests are queued by class, first
@@ -123,6 +127,7 @@ struct PriorityClass {
   // How long the tandem policy may hold a request of this class for the engines' queued-token
   // limits (policy.h RequestInfo::max_hold): 0 never; none: scheduling.max_hold_ms.
   std::optional<std::chrono::milliseconds> hold;
+  bool operator==(const PriorityClass&) const = default;
 };
 
 struct PriorityClasses {
@@ -131,6 +136,7 @@ struct PriorityClasses {
   std::map<std::string, size_t> api_keys;  // API key -> its class
 
   bool enabled() const { return !classes.empty(); }
+  bool operator==(const PriorityClasses&) const = default;
 };
 
 // The largest value of max_unsent_bytes and max_answer_bytes: each is memory held for one client,

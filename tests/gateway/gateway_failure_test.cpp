@@ -1033,6 +1033,35 @@ TEST_P(GatewayFailures, AReloadChecksOnlyTheStartSettingsItsFileChanged) {
   EXPECT_EQ(json::parse(r.body), (json{{"added", 1}, {"removed", 0}}));
 }
 
+// Every setting a reload does not apply is named: the listen section's and the scheduling
+// section's beyond the ones once compared (max_body_time_ms, max_hold_ms were missed).
+TEST_P(GatewayFailures, AReloadNamesEveryListenAndSchedulingSettingItDoesNotApply) {
+  FakeEngine a("a");
+  const auto file = dir_ / "topology.yaml";
+  auto write = [&](const std::string& listen, const std::string& extra) {
+    std::ofstream(file) << "mode: aggregated\nadmin_api_key: admin\n"
+                        << "listen: {host: 127.0.0.1, port: 1" << listen << "}\n"
+                        << extra << "decode: {endpoints: [\"" << a.address() << "\"]}\n";
+  };
+  write("", "");
+  Topology t = load_topology(file.string());
+  t.port = 0;
+  t.io_threads = GetParam();
+  start(t, file.string());
+  for (const auto& [listen, extra, named] :
+       {std::tuple{", max_body_time_ms: 1000", "", "listen"},
+        std::tuple{"", "scheduling: {max_hold_ms: 5}\n", "scheduling"},
+        std::tuple{"", "scheduling: {cache_aware: {cache_threshold: 0.5}}\n", "scheduling"},
+        std::tuple{"", "scheduling: {queue_length_weight: 0.5}\n", "scheduling"}}) {
+    write(listen, extra);
+    const auto r = admin("POST", "/admin/reload");
+    ASSERT_EQ(r.status, 200) << extra << r.body;
+    EXPECT_EQ(json::parse(r.body),
+              (json{{"added", 0}, {"removed", 0}, {"not_applied", json::array({named})}}))
+        << listen << extra;
+  }
+}
+
 TEST_P(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   FakeEngine p("p"), d("d");
   auto t = topology(PdMode::kSequential);

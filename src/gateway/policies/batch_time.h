@@ -30,6 +30,7 @@ struct BatchTimeOptions {
   int window = 64;                  // observations per bucket before averaging becomes exponential
   double prior_overhead_s = 0.020;  // prior: fixed cost of a batch ...
   double prior_s_per_token = 5e-5;  // ... plus this per token (20k tokens/s)
+  bool operator==(const BatchTimeOptions&) const = default;
 };
 
 struct BatchTimeEstimator {

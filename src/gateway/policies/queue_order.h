@@ -33,6 +33,7 @@ struct QueueWeights {
   std::chrono::nanoseconds min_wait_norm = std::chrono::milliseconds(50);
   // 0 disables the bound.
   std::chrono::nanoseconds starvation_after = std::chrono::seconds(2);
+  bool operator==(const QueueWeights&) const = default;
 };
 
 struct QueuedRequest {
