@@ -178,9 +178,41 @@ std::optional<std::string> json_string_at(std::string_view s, size_t& at) {
   return std::nullopt;
 }
 
+// The end of the JSON value starting at `at` in `s`, which may be cut off anywhere; npos when it
+// does not end in `s` (a bare value running to the end of `s` may have been cut too).
+size_t end_of_whole_value(std::string_view s, size_t at) {
+  constexpr size_t npos = std::string_view::npos;
+  auto end_of_string = [&](size_t i) {  // i at its opening '"'
+    for (++i; i < s.size() && s[i] != '"'; i += s[i] == '\\' ? 2 : 1) {
+    }
+    return i < s.size() ? i + 1 : npos;
+  };
+  if (at >= s.size()) return npos;
+  if (s[at] == '"') return end_of_string(at);
+  if (s[at] != '{' && s[at] != '[') {
+    while (at < s.size() && s[at] != ',' && s[at] != '}' && s[at] != ']' && !is_space(s[at])) ++at;
+    return at < s.size() ? at : npos;
+  }
+  int depth = 0;
+  while (at < s.size()) {
+    const char c = s[at];
+    if (c == '"') {
+      at = end_of_string(at);
+      if (at == npos) return npos;
+      continue;
+    }
+    ++at;
+    if (c == '{' || c == '[') ++depth;
+    if ((c == '}' || c == ']') && --depth == 0) return at;
+  }
+  return npos;
+}
+
 // A hermes call cut off once its arguments began: {"name": "<name>", "arguments": and the text
 // after that, as written (vLLM's hermes parser streams such a call's name and arguments so far).
-// nullopt when its name is unfinished or its arguments have not begun.
+// nullopt when its name is unfinished or its arguments have not begun, and when its arguments
+// ended and anything but white space follows them: then the answer was not cut in the call (a
+// '}' ends a body hermes_call refused; prose after them is no call, as for vLLM).
 std::optional<ParsedToolCalls::Call> cut_hermes_call(std::string_view body) {
   size_t at = skip_space(body, 0);
   auto expect = [&](char c) {
@@ -196,7 +228,11 @@ std::optional<ParsedToolCalls::Call> cut_hermes_call(std::string_view body) {
   if (!expect('{') || string() != "name" || !expect(':')) return std::nullopt;
   auto name = string();
   if (!name || !expect(',') || string() != "arguments" || !expect(':')) return std::nullopt;
-  return ParsedToolCalls::Call{std::move(*name), std::string(body.substr(at))};
+  const size_t end = end_of_whole_value(body, at);
+  if (end == std::string_view::npos)
+    return ParsedToolCalls::Call{std::move(*name), std::string(body.substr(at))};
+  if (skip_space(body, end) != body.size()) return std::nullopt;
+  return ParsedToolCalls::Call{std::move(*name), std::string(body.substr(at, end - at))};
 }
 
 }  // namespace

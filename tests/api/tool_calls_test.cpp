@@ -281,6 +281,30 @@ TEST(ToolCalls, ACallCutOffByMaxTokensIsACallWithTheArgumentsItGot) {
   }
 }
 
+// An answer that ended with its call's arguments whole and text after them, no end marker, was
+// not cut in its call: it is content, as vLLM's hermes parser reads it (and as before calls cut by
+// max_tokens were read), not a call whose arguments run on into the prose. Cut after its whole
+// arguments, before the body's '}', it is a call with those arguments.
+TEST(ToolCalls, AHermesCallWithTextAfterItsArgumentsAndNoEndMarkerIsContent) {
+  const std::string call =
+      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}";
+  for (const std::string& answer :
+       {call + "}\nLet me know if you need more.", call + "\nLet me know if you need more.",
+        call + ", \"extra\": 1}\nDone.",
+        std::string("<tool_call>\n{\"name\": \"f\", \"arguments\": 5}")}) {
+    SCOPED_TRACE(answer);
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+    EXPECT_EQ(p.content, answer);
+    EXPECT_TRUE(p.calls.empty());
+  }
+  for (const std::string& tail : {std::string(""), std::string("\n")}) {
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, call + tail);
+    EXPECT_EQ(p.content, "");
+    ASSERT_EQ(p.calls.size(), 1u);
+    EXPECT_EQ(p.calls[0].arguments, "{\"city\": \"Paris\"}");
+  }
+}
+
 // Hermes arguments are the model's text as written: a JSON round trip would round integers past
 // 64 bits (an id, a big number a tool takes as such) and change the model's layout.
 TEST(ToolCalls, HermesArgumentsKeepTheModelsTextExactly) {
