@@ -518,14 +518,16 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
                    nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
                    text::ContentFormat format) {
   const json* tools = field(body, "tools");
+  // Refused whatever the tool_choice, as vLLM (PR #39780) and OpenAI (code empty_array) refuse
+  // it: a template given an empty list may still print its tool-use preamble (llama-3.1's does).
+  if (tools && tools->is_array() && tools->empty())
+    fail("tools",
+         "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+         "entirely.");
   const bool have_tools = tools && !tools->empty();
   json choice = have_tools ? json("auto") : json("none");
   if (const json* c = field(body, "tool_choice")) choice = *c;
   if (choice == "none") return {};
-  // As vLLM's check_tool_usage: an empty list with "auto" leaves nothing to call, and "required"
-  // with one becomes "none" (OpenAI's behaviour); either way the answer is text. A named choice
-  // still needs its tool, and any choice needs the field.
-  if (tools && tools->empty() && (choice == "auto" || choice == "required")) return {};
   if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
   ToolUse use;
   use.format = tool_call_markup(tokenizer);

@@ -233,7 +233,7 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
             "guided_choice");
   // Values that ask for nothing are fine.
   for (const json& extra :
-       {json{{"tools", json::array()}}, json{{"tool_choice", "none"}},
+       {json{{"tool_choice", "none"}},
         json{{"tools", json::array({tool})}, {"tool_choice", "none"}},
         json{{"response_format", {{"type", "text"}}}}, json{{"response_format", nullptr}},
         json{{"structured_outputs", {{"json_object", true}, {"disable_any_whitespace", false}}}}}) {
@@ -681,35 +681,32 @@ TEST(Protocol, IntegerFieldsTakeFloatsWithNoFractionalPartAsVllmDoes) {
             std::optional<uint64_t>(uint64_t{1} << 63));
 }
 
-// vLLM's check_tool_usage: an empty list of tools with tool_choice "auto" is accepted, and with
-// "required" becomes "none" ("to align with OpenAI's behavior"); either way there is nothing to
-// call, so the answer is text. Both were a 400 "'tool_choice' other than \"none\" needs 'tools'".
-// A named choice still needs a tool of its name, and tool_choice without any tools is refused (as
-// vLLM refuses it: "When using `tool_choice`, `tools` must be set.").
-TEST(Protocol, AnEmptyListOfToolsWithAutoOrRequiredIsAChatWithoutTools) {
+// An empty list of tools is refused naming 'tools', whatever the tool_choice, as vLLM refuses it
+// since PR #39780 ("`tools` must not be an empty array. Either provide at least one tool or omit
+// the field entirely.") and OpenAI does (code empty_array). d6e6313 had taken it with "auto" and
+// "required" as a chat without tools, after vLLM's older check_tool_usage. tool_choice without
+// any tools field (absent or null) is still refused naming tool_choice.
+TEST(Protocol, AnEmptyListOfToolsIsRefusedNamingTools) {
   const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
   auto chat = [&](const std::string& fields) {
     const std::string raw = R"({"messages": [{"role": "user", "content": "Hi"}], )" + fields + "}";
     return parse_chat(json::parse(raw), api_test::qwen3(), &api_test::qwen3_template(), limits,
                       raw);
   };
-  const ApiRequest plain = chat(R"("max_tokens": 8)");
-  for (const char* choice : {"auto", "required"}) {
+  for (const char* choice :
+       {"", R"(, "tool_choice": "auto")", R"(, "tool_choice": "required")",
+        R"(, "tool_choice": "none")", R"(, "tool_choice": null)",
+        R"(, "tool_choice": {"type": "function", "function": {"name": "f"}})"}) {
     SCOPED_TRACE(choice);
-    const ApiRequest r =
-        chat(R"("max_tokens": 8, "tools": [], "tool_choice": ")" + std::string(choice) + "\"");
-    EXPECT_EQ(r.tool_calls, ToolCallFormat::kNone);
-    EXPECT_FALSE(r.sampling.structured_output);
-    EXPECT_EQ(r.prompts, plain.prompts);
+    const ApiError e = error_of([&] { chat(R"("tools": [])" + std::string(choice)); });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "tools");
+    EXPECT_NE(e.message.find("must not be an empty array"), std::string::npos) << e.message;
   }
-  const ApiError named = error_of([&] {
-    chat(R"("tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}})");
-  });
-  EXPECT_EQ(named.status, 400);
-  EXPECT_EQ(named.param, "tool_choice");
   EXPECT_EQ(error_of([&] { chat(R"("tool_choice": "required")"); }).param, "tool_choice");
   EXPECT_EQ(error_of([&] { chat(R"("tools": null, "tool_choice": "auto")"); }).param,
             "tool_choice");
+  EXPECT_NO_THROW(chat(R"("tools": null)"));
 }
 
 // OpenAI's schema lets an assistant message's content hold refusal parts
@@ -2690,12 +2687,13 @@ TEST(Protocol, ToolFieldsAreCheckedAsVLLMsModelsCheckThem) {
   }
   EXPECT_EQ(error_of([&] { chat_with(R"({"function": {"name": "f"}})"); }).param, "tools");
   // Accepted as vLLM accepts them: an empty name (str), null description and parameters, fields
-  // beside the declared ones, a null or empty list of tools.
+  // beside the declared ones, a null list of tools (an empty one is refused: see
+  // AnEmptyListOfToolsIsRefusedNamingTools).
   const std::vector<std::string> accepted = {
       R"([{"function": {"name": ""}}])",
       R"([{"function": {"name": "f", "description": null, "parameters": null, "strict": 1},
            "cache_control": {"type": "ephemeral"}}])",
-      "null", "[]"};
+      "null"};
   for (const std::string& tools : accepted) {
     SCOPED_TRACE(tools);
     EXPECT_NO_THROW(chat_with(tools));
