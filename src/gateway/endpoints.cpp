@@ -325,10 +325,13 @@ void EndpointTable::failure(EndpointState& e, const char* what) {
   if (++e.consecutive_failures >= topo_.health.failures_to_eject && e.healthy) {
     // Said, as nginx says "upstream server temporarily disabled": an operator sees when and why
     // an engine stopped taking requests, and when it came back.
+    // With its address: an engine removed and added again under the same name at another
+    // address is told apart.
     std::fprintf(stderr,
-                 "tandem gateway: engine %s ejected after %d failures in a row (the last: %s); "
+                 "tandem gateway: engine %s (%s) ejected after %d %s (the last: %s); "
                  "a passing health probe readmits it\n",
-                 e.config.name.c_str(), e.consecutive_failures, what);
+                 e.config.name.c_str(), address_key(e.config).c_str(), e.consecutive_failures,
+                 e.consecutive_failures == 1 ? "failure" : "failures in a row", what);
     e.healthy = false;
     e.healthy_gauge->set(0);
     e.ejections_total->inc();
@@ -356,8 +359,8 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     return false;
   }
   if (e->healthy) return false;
-  std::fprintf(stderr, "tandem gateway: engine %s readmitted: its health probe passed\n",
-               e->config.name.c_str());
+  std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: its health probe passed\n",
+               e->config.name.c_str(), address_key(e->config).c_str());
   readmit(*e, now);
   return true;
 }
@@ -390,16 +393,16 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
   bool changed = false;
   if (!not_serving.empty()) {
     if (not_serving != e->not_serving)
-      std::fprintf(stderr, "tandem gateway: engine %s ejected: %s\n", e->config.name.c_str(),
-                   not_serving.c_str());
+      std::fprintf(stderr, "tandem gateway: engine %s (%s) ejected: %s\n", e->config.name.c_str(),
+                   address_key(e->config).c_str(), not_serving.c_str());
     changed = e->healthy;
     if (e->healthy) e->ejections_total->inc();
     e->healthy = false;
     e->healthy_gauge->set(0);
     e->not_serving = std::move(not_serving);
   } else if (!e->not_serving.empty()) {
-    std::fprintf(stderr, "tandem gateway: engine %s readmitted: it serves the model now\n",
-                 e->config.name.c_str());
+    std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: it serves the model now\n",
+                 e->config.name.c_str(), address_key(e->config).c_str());
     e->not_serving.clear();
     readmit(*e, now);
     changed = true;
