@@ -51,6 +51,16 @@ class ReleaseNetwork {
   std::set<std::string> hung_hosts;
   // And to these engines ("host:port") alone.
   std::set<std::string> hung_peers;
+  // These engines ("host:port") refuse this many messages as busy (every connection they allow
+  // in use), then take them.
+  std::map<std::string, int> busy_refusals;
+  bool refuse_as_busy(const std::string& peer) {
+    std::lock_guard lock(mutex_);
+    auto it = busy_refusals.find(peer);
+    if (it == busy_refusals.end() || it->second == 0) return false;
+    --it->second;
+    return true;
+  }
 
   // Connects to hosts that answer wait here until the gate opens.
   void close_gate() {
@@ -147,6 +157,10 @@ class FakeConnection : public KvConnection {
   ~FakeConnection() override { network_.connection_ended(host_, peer_); }
 
   void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
+    if (network_.refuse_as_busy(peer_)) {
+      busy_ = true;
+      return;
+    }
     std::string text;
     for (const auto& part : parts)
       text.append(reinterpret_cast<const char*>(part.data()), part.size());
@@ -156,10 +170,17 @@ class FakeConnection : public KvConnection {
                                 : j.at("transfer_id").get<std::string>());
   }
   KvFrameType receive_header(uint64_t& size, size_t) override {
-    size = 0;
-    return KvFrameType::kDone;
+    size = busy_ ? kBusy.size() : 0;
+    return busy_ ? KvFrameType::kError : KvFrameType::kDone;
   }
-  void receive_payload(std::span<const std::span<std::byte>>) override {}
+  void receive_payload(std::span<const std::span<std::byte>> parts) override {
+    size_t at = 0;
+    for (const auto& part : parts) {
+      const size_t n = std::min(part.size(), kBusy.size() - at);
+      std::memcpy(part.data(), kBusy.data() + at, n);
+      at += n;
+    }
+  }
   void set_timeout(std::chrono::milliseconds) override {}
   void set_deadline(std::chrono::steady_clock::time_point) override {}
   void shutdown() override {}
@@ -168,8 +189,12 @@ class FakeConnection : public KvConnection {
   const char* kind() const override { return "fake"; }
 
  private:
+  // The prefill engine's refusal when every connection it allows is in use.
+  static inline const std::string kBusy =
+      R"({"message":"too many KV transfer connections","busy":true})";
   ReleaseNetwork& network_;
   std::string host_, peer_;
+  bool busy_ = false;
 };
 
 std::unique_ptr<KvConnection> ReleaseNetwork::connect(const std::string& host, uint16_t port,
@@ -399,6 +424,18 @@ TEST_F(KvReleaseSenders, OneEngineMayFillTheQueueAndOthersStillFindRoom) {
                        "a-" + std::to_string(kFirst - 1)),
             0)
       << "not the newest message was dropped";
+}
+
+// A prefill engine that refuses a release as busy (every connection it allows in use, as when
+// it refused the room registration an abandon follows) gets it again a little later. It was
+// dropped: the hold, or the room's prefill leg, waited out the prefill engine's timeout.
+TEST_F(KvReleaseSenders, AMessageRefusedAsBusyIsSentAgain) {
+  network_.busy_refusals["10.0.6.1:7000"] = 3;
+  auto decode = make_decode();
+  release(*decode, "10.0.6.1", 7000, "held");
+  EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.6.1:7000") > 0; }))
+      << "the release refused as busy was not sent again";
+  EXPECT_EQ(dropped(), 0);
 }
 
 // A thread starter that fails its first start, as a process out of threads does (std::thread

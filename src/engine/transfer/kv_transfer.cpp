@@ -60,6 +60,12 @@ constexpr size_t kMaxQueuedReleases = 4096;
 constexpr int64_t kMaxReleasesPerPeer = 2;
 constexpr int64_t kReleaseShareOfHost = 4;
 static_assert(kMaxReleasesPerPeer < kReleaseShareOfHost && kReleaseShareOfHost < kMaxReleases);
+// A message the prefill engine refused as busy is sent again after 100 ms, then twice as long each
+// time, up to 5 tries in all (about 3 s): the abandon that follows a room registration refused as
+// busy needs a connection to that same busy engine, and dropped, the room's prefill leg waited
+// out the timeout. Past that it is dropped (the engine's timeout frees what it holds).
+constexpr auto kBusyRetryFirst = std::chrono::milliseconds(100);
+constexpr int kMaxBusyRefusals = 4;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 // How often a prefill engine serving a registered room looks whether its decode engine is still
@@ -742,6 +748,13 @@ void KvTransferAgent::reap_loop() {
       lock.lock();
       if (stopping_) break;
     }
+    if (deferred_releases_ > 0) {
+      // Messages refused as busy wait for their next try, which no other event brings.
+      lock.unlock();
+      start_release_senders();
+      lock.lock();
+      if (stopping_) break;
+    }
     metrics_->held_blocks.set(static_cast<double>(held_blocks_locked()));
     for (auto it = held_.begin(); it != held_.end();) {
       Held& h = *it->second;
@@ -1304,6 +1317,7 @@ bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
       forget_idle_release_peer_locked(r.host, r.peer());
       return false;
     }
+    if (longest->queued.back().busy_refusals > 0) --deferred_releases_;
     longest->queued.pop_back();
     --queued_releases_;
     metrics_->releases_dropped.inc();
@@ -1334,6 +1348,7 @@ void KvTransferAgent::start_release_senders() {
       --release_peers_[first->peer()].sending;
       --release_hosts_[first->host].sending;
       ++queued_releases_;
+      if (first->busy_refusals > 0) ++deferred_releases_;  // as next_release_locked counts it
       release_peers_[first->peer()].queued.push_front(std::move(*first));
       return;
     }
@@ -1345,10 +1360,18 @@ void KvTransferAgent::send_releases(QueuedRelease first) {
   // as they end), or every sender is busy (the first to end takes it up).
   std::optional<QueuedRelease> next = std::move(first);
   while (next) {
-    send_release(*next);
+    const bool busy = send_release(*next);
     std::lock_guard lock(mutex_);
     --release_peers_[next->peer()].sending;
     --release_hosts_[next->host].sending;
+    if (busy && next->busy_refusals < kMaxBusyRefusals && !stopping_) {
+      // Behind its engine's others (in order no more: the engine refused it).
+      next->not_before = Clock::now() + kBusyRetryFirst * (1 << next->busy_refusals);
+      ++next->busy_refusals;
+      ++deferred_releases_;
+      ++queued_releases_;
+      release_peers_[next->peer()].queued.push_back(std::move(*next));
+    }
     forget_idle_release_peer_locked(next->host, next->peer());
     next = stopping_ ? std::nullopt : next_release_locked();
     if (!next) --releasing_;
@@ -1365,10 +1388,13 @@ std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_lock
       if (it == release_peers_.end()) it = release_peers_.begin();
       ReleasePeer& peer = it->second;
       if (peer.queued.empty() || peer.sending >= kMaxReleasesPerPeer) continue;
+      if (peer.queued.front().busy_refusals > 0 && peer.queued.front().not_before > Clock::now())
+        continue;  // the reaper looks again
       ReleaseHost& host = release_hosts_[peer.queued.front().host];
       if (!past_share && host.sending >= kReleaseShareOfHost) continue;
       QueuedRelease next = std::move(peer.queued.front());
       peer.queued.pop_front();
+      if (next.busy_refusals > 0) --deferred_releases_;
       ++peer.sending;
       ++host.sending;
       --queued_releases_;
@@ -1389,7 +1415,7 @@ void KvTransferAgent::forget_idle_release_peer_locked(const std::string& host,
     release_hosts_.erase(it);
 }
 
-void KvTransferAgent::send_release(const QueuedRelease& r) {
+bool KvTransferAgent::send_release(const QueuedRelease& r) {
   std::shared_ptr<KvConnection> conn;
   const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   // The connect too is bounded by the handshake timeout, not the transport's I/O timeout: one
@@ -1402,6 +1428,7 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
     if (!started) started = Clock::now() + handshake;
     return *started;
   };
+  bool busy = false;
   try {
     conn = transport_->connect(r.host, r.port, [this, &deadline] {
       if (Clock::now() >= deadline()) return true;
@@ -1425,8 +1452,15 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
     std::vector<std::byte> payload;
     for (int frames = 0; frames < layout_.layers + 2; ++frames) {
       const KvFrameType t = conn->receive(payload, kControlLimit);
-      if (t == KvFrameType::kDone || t == KvFrameType::kError) break;
+      if (t == KvFrameType::kDone) break;
+      if (t == KvFrameType::kError) {
+        if (refusal_says(json::parse(payload.begin(), payload.end(), nullptr, false), "busy"))
+          throw PrefillBusy("busy");
+        break;
+      }
     }
+  } catch (const PrefillBusy&) {
+    busy = true;
   } catch (const std::exception&) {
     // Best effort: the prefill engine's timeout frees the blocks otherwise.
   }
@@ -1434,6 +1468,7 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
     std::lock_guard lock(mutex_);
     std::erase(releases_, conn);
   }
+  return busy;
 }
 
 void KvTransferAgent::cancel_fetch(const std::string& request_id) {

@@ -305,6 +305,8 @@ class KvTransferAgent final : public KvTransfers {
     uint16_t port = 0;
     KvFrameType type{};
     std::string request;
+    int busy_refusals = 0;                               // times the engine refused it as busy
+    std::chrono::steady_clock::time_point not_before{};  // after such a refusal: its next try
     std::string peer() const { return host + ":" + std::to_string(port); }  // the engine told
   };
   // Under mutex_: `r` waits for a sender; false when it must be dropped (too many wait), else
@@ -316,7 +318,9 @@ class KvTransferAgent final : public KvTransfers {
   // A sender, on a worker: `first`, then queued messages next_release_locked picks, until none is
   // left.
   void send_releases(QueuedRelease first);
-  void send_release(const QueuedRelease& r);  // failures are ignored
+  // Failures are ignored but for a refusal as busy (every connection the engine allows in use):
+  // true, and the message may be tried again.
+  bool send_release(const QueuedRelease& r);
   // Under mutex_: the next queued message whose engine has a sender to spare, those of hosts
   // within their share first, counted as sent: engines in turn, each one's in order; O(engines).
   std::optional<QueuedRelease> next_release_locked();
@@ -371,8 +375,9 @@ class KvTransferAgent final : public KvTransfers {
   int64_t releasing_ = 0;                                // tell_prefill senders running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
   size_t queued_releases_ = 0;                           // messages waiting for a sender
-  struct ReleasePeer {                                   // a prefill engine
-    int64_t sending = 0;                                 // senders at work on its messages
+  size_t deferred_releases_ = 0;  // of them, refused as busy and waiting for their next try
+  struct ReleasePeer {            // a prefill engine
+    int64_t sending = 0;          // senders at work on its messages
     std::deque<QueuedRelease> queued;
   };
   struct ReleaseHost {
