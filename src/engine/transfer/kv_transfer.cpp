@@ -61,8 +61,8 @@ constexpr int64_t kMaxReleasesPerPeer = 2;
 constexpr int64_t kReleaseShareOfHost = 4;
 static_assert(kMaxReleasesPerPeer < kReleaseShareOfHost && kReleaseShareOfHost < kMaxReleases);
 // A message the prefill engine refused as busy is sent again after 100 ms, then twice as long each
-// time, up to 5 tries in all (about 3 s): the abandon that follows a room registration refused as
-// busy needs a connection to that same busy engine, and dropped, the room's prefill leg waited
+// time, up to 5 tries in all (1.5 s of waits): the abandon that follows a room registration refused
+// as busy needs a connection to that same busy engine, and dropped, the room's prefill leg waited
 // out the timeout. Past that it is dropped (the engine's timeout frees what it holds).
 constexpr auto kBusyRetryFirst = std::chrono::milliseconds(100);
 constexpr int kMaxBusyRefusals = 4;
