@@ -262,13 +262,9 @@ int client_error_status(std::string_view error_event) {
   if (!doc.is_object()) return 0;
   const auto error = doc.find("error");
   if (error == doc.end() || !error->is_object()) return 0;
-  for (const char* key : {"code", "status"}) {
-    const auto number = error->find(key);
-    if (number == error->end() || !number->is_number_integer()) continue;
-    const int64_t status = number->get<int64_t>();
-    if (status < 100 || status >= 600) continue;  // a code of another kind
-    return status >= 400 && status < 500 && status != 429 ? static_cast<int>(status) : 0;
-  }
+  // Only OpenAI's type says so. A 4xx code is no evidence: vLLM's and SGLang's stream generators
+  // send their own failures (a CUDA out-of-memory, a dead engine core) as {"type":
+  // "BadRequestError", "code": 400}.
   const auto type = error->find("type");
   return type != error->end() && *type == "invalid_request_error" ? 400 : 0;
 }

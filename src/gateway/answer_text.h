@@ -54,10 +54,9 @@ EngineError read_engine_error(std::string_view body);
 bool is_error_event(std::string_view data);
 // Of a stream's error event (is_error_event): the status of the client's error it reports, or 0
 // when it reports the engine's failure. A client's error is one an engine finds only once
-// generation starts (masks that leave no token), and which it can only send in its stream: a 4xx
-// HTTP status as the error's code (vLLM's {"type": "BadRequestError", "code": 400}) or status, or
-// else the type "invalid_request_error" (Tandem's engines: 400). A 429 is the engine being full,
-// no client's error.
+// generation starts (masks that leave no token), and which it can only send in its stream: the
+// type "invalid_request_error" (Tandem's engines: 400). vLLM's and SGLang's streams say
+// {"type": "BadRequestError", "code": 400} for their own failures too, so that is the engine's.
 int client_error_status(std::string_view error_event);
 // Of one streamed event's data: a chunk that carries tokens (for TTFT and ITL), not [DONE], the
 // usage chunk ("choices":[]) or an error event.

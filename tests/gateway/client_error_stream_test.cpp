@@ -314,20 +314,24 @@ TEST(ClientErrorStream, AParallelPrefillLegsInvalidRequestErrorIsTheClients400) 
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
-// vLLM's streamed error names no OpenAI type but carries the HTTP status as its code
-// ({"type": "BadRequestError", "code": 400}): a 4xx code is the client's error too.
-TEST(ClientErrorStream, AnErrorEventWhoseCodeIsA4xxStatusIsTheClients) {
+// vLLM's and SGLang's stream generators send their own failures (a CUDA out-of-memory, a dead
+// engine core) as {"type": "BadRequestError", "code": 400}: that is the engine's failure, retried
+// on another engine and counted against this one, not the client's 400.
+TEST(ClientErrorStream, AVllmBadRequestErrorInAStreamIsTheEnginesFailure) {
   Cluster c(topology(PdMode::kAggregated));
   auto client = c.send_stream();
+  auto first = c.engines.open().at(0);
+  ASSERT_EQ(host_of(*first), "a");
   const std::string vllm_error =
-      R"({"error":{"message":"min_tokens excludes every token","type":"BadRequestError","param":null,"code":400}})";
-  FakeEngines::stream(*c.engines.open().at(0),
-                      net::sse_event(vllm_error) + std::string(net::kSseDone));
+      R"({"error":{"message":"EngineCore encountered an issue","type":"BadRequestError","param":null,"code":400}})";
+  FakeEngines::stream(*first, net::sse_event(vllm_error) + std::string(net::kSseDone));
   c.clock.run_ready();
-  EXPECT_EQ(client->status, 400);
-  EXPECT_EQ(client->body, vllm_error);
-  EXPECT_EQ(c.engines.generation_calls(), 1u);
-  expect_no_engine_blamed(c);
+  EXPECT_FALSE(client->complete);
+  auto retry = c.engines.open();
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "b");
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
 }
 
 // Regression guard: an engine's own failure as a stream's first event is still retried on
