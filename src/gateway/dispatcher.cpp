@@ -194,36 +194,50 @@ std::string Dispatcher::make_room(int arriving_class) {
     return r.priority_class > arriving_class && r.booking == Booking::kQueued &&
            r.stage == Stage::kFirst && r.attempt == 0 && !r.ended();
   };
-  // The place of the lowest class's newest request (the work that waited least) is freed: arrivals
-  // join the back of the queue, and only retries and decode stages (never sheddable) its front, so
-  // from the back the first of a class is its newest. A group (Request::submitted_with) gives up
-  // all its places or none, and none while any of its choices was sent (shed, the choices under
-  // way would fail with it).
-  RequestPtr chosen;
-  std::unordered_set<const void*> groups_kept;  // groups seen with a choice not sheddable
+  // The places of the lowest class's newest requests (the work that waited least) are freed:
+  // arrivals join the back of the queue, and only retries and decode stages (never sheddable) its
+  // front, so from the back the first of a class is its newest. A group (Request::submitted_with)
+  // gives up all its places or none, and none while any of its choices was sent (shed, the choices
+  // under way would fail with it). As many are shed as free one place (the queue may be past its
+  // bound: groups, retries); if all of them would not, none is.
+  struct Unit {
+    int priority_class;
+    RequestPtr newest;
+    size_t places;
+  };
+  std::vector<Unit> units;
+  std::unordered_set<const void*> groups_seen;
   for (size_t i = waiting_.size(); i-- > 0;) {
     Request& r = *waiting_[i];
-    if ((chosen && r.priority_class <= chosen->priority_class) || !sheddable(r)) continue;
+    if (!sheddable(r)) continue;
+    size_t places = 1;
     if (r.submitted_with) {
-      if (groups_kept.count(r.submitted_with.get())) continue;
+      if (!groups_seen.insert(r.submitted_with.get()).second) continue;
       const bool whole =
           std::all_of(r.submitted_with->begin(), r.submitted_with->end(), [&](const auto& weak) {
             const RequestPtr choice = weak.lock();
             return choice && sheddable(*choice);
           });
-      if (!whole) {
-        groups_kept.insert(r.submitted_with.get());
-        continue;
-      }
+      if (!whole) continue;
+      places = r.submitted_with->size();
     }
-    chosen = waiting_[i];
+    units.push_back({r.priority_class, waiting_[i], places});
   }
-  if (!chosen) return full;
+  // Lowest class first; within a class the order found, newest first.
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) {
+    return a.priority_class > b.priority_class;
+  });
+  const size_t to_free = waiting_.size() - max + 1;
+  size_t freed = 0, picked = 0;
+  while (picked < units.size() && freed < to_free) freed += units[picked++].places;
+  if (freed < to_free) return full;
   std::vector<RequestPtr> shed;
-  if (chosen->submitted_with)
-    for (const auto& weak : *chosen->submitted_with) shed.push_back(weak.lock());
-  else
-    shed.push_back(chosen);
+  for (size_t u = 0; u < picked; ++u) {
+    if (units[u].newest->submitted_with)
+      for (const auto& weak : *units[u].newest->submitted_with) shed.push_back(weak.lock());
+    else
+      shed.push_back(units[u].newest);
+  }
   // Out of the queue first, all of them (as a queue timeout: finished() lets go of what each
   // holds), then answered: a group's first answer ends its other choices (ChoiceMerger), which
   // must not still count against the bound.

@@ -155,8 +155,13 @@ void HealthMonitor::poll_loads() {
         upstream_, engine_get(e, api::load_target(e.load.last_step)), kMaxAnswerBytes,
         [this, id = id, launched](const EngineAnswer& a) {
           // Too large to be a report: said, as a body that is not one.
-          LoadAnswer answer = a.too_large ? LoadAnswer{LoadAnswer::Kind::kNoReport, {}, a.error}
-                                          : read_load_answer(a.error, a.status, a.body);
+          LoadAnswer answer;
+          if (a.too_large) {
+            answer.kind = LoadAnswer::Kind::kNoReport;
+            answer.why = a.error;
+          } else {
+            answer = read_load_answer(a.error, a.status, a.body);
+          }
           exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
             if (endpoints_.load_result(id, launched, std::move(answer), exec_.now())) changed_();
           });
