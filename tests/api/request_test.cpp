@@ -147,8 +147,9 @@ TEST(Protocol, AnUnknownModelIsA404WithOpenAIsModelNotFoundCode) {
   });
   EXPECT_EQ(openai_error_code(api_error_body(chat)), std::optional<std::string>("model_not_found"));
   // Other refusals keep code null.
-  const ApiError other = error_of(
-      [&] { parse_completion(json{{"prompt", "x"}, {"max_tokens", 2.5}}, tokenizer(), kLimits); });
+  const ApiError other = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"max_tokens", 2.5}}, tokenizer(), kLimits);
+  });
   EXPECT_EQ(openai_error_code(api_error_body(other)), std::nullopt);
 }
 

@@ -143,8 +143,7 @@ TEST(GatewayCapacityFlags, MaxBodyTimeMsLandsInTheTopologyAndIsBoundedAsTheFiles
   CapacityFlags cli;
   ASSERT_EQ(cli.parse({"--max-body-time-ms", "600000"}), "");
   for (bool only_given : {false, true})
-    EXPECT_EQ(cli.applied(gateway::Topology{}, only_given).max_body_time,
-              std::chrono::minutes(10))
+    EXPECT_EQ(cli.applied(gateway::Topology{}, only_given).max_body_time, std::chrono::minutes(10))
         << only_given;
   gateway::Topology file;
   file.max_body_time = std::chrono::seconds(42);

@@ -412,10 +412,9 @@ TEST(TopologyYaml, UnknownKeysAreErrors) {
               StartsWith("t.yaml: modes: expected one of listen, mode, model, "));
   EXPECT_THAT(
       yaml_error(parallel_yaml("listen: {hots: a}\n")),
-      StartsWith(
-          "t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
-          "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, "
-          "max_body_time_ms, got an unknown key"));
+      StartsWith("t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
+                 "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, "
+                 "max_body_time_ms, got an unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
   EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),
@@ -538,10 +537,9 @@ TEST(TopologyYaml, LimitsAreChecked) {
 // refused naming the key and the range, and a topology built in code is checked likewise.
 TEST(TopologyYaml, MaxBodyTimeIsADurationInMillisecondsCheckedNamingTheKey) {
   EXPECT_EQ(parse_topology_yaml(parallel_yaml(), "t.yaml").max_body_time, std::chrono::minutes(5));
-  EXPECT_EQ(
-      parse_topology_yaml(parallel_yaml("listen: {max_body_time_ms: 600000}\n"), "t.yaml")
-          .max_body_time,
-      std::chrono::minutes(10));
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("listen: {max_body_time_ms: 600000}\n"), "t.yaml")
+                .max_body_time,
+            std::chrono::minutes(10));
   const std::string range =
       "expected a duration in milliseconds 1..2147483647 (at most about 24.8 days), got ";
   for (const auto& [value, got] : {
