@@ -181,10 +181,12 @@ class FakeClient final : public ClientReply {
     status = r.status;
     body = r.body;
     retry_after = r.headers.get("Retry-After");
+    // An engine's own error body may leave out any of these (a const json's [] asserts the key).
     const json error = json::parse(r.body)["error"];
-    error_message = error["message"];
-    error_type = error["type"];
-    error_code = error["code"].is_string() ? error["code"].get<std::string>() : "";
+    error_message = error.value("message", "");
+    error_type = error.value("type", "");
+    const auto code = error.find("code");
+    error_code = code != error.end() && code->is_string() ? code->get<std::string>() : "";
     finish();
     return true;
   }
