@@ -474,11 +474,17 @@ void ToolCallParser::end_hermes_call(std::vector<ToolCallDelta>& out, size_t at)
     revert(out);
     return;
   }
+  emit_hermes_call(std::move(call->name), std::move(call->arguments), out);
+}
+
+// A hermes call read whole (or cut, at the answer's end) becomes its delta; text follows it.
+void ToolCallParser::emit_hermes_call(std::string name, std::string arguments,
+                                      std::vector<ToolCallDelta>& out) {
   call_raw_.clear();
   ToolCallDelta d;
   d.call = calls_++;
-  d.name = std::move(call->name);
-  d.arguments = std::move(call->arguments);
+  d.name = std::move(name);
+  d.arguments = std::move(arguments);
   out.push_back(std::move(d));
   state_ = State::kText;
   after_call_ = true;
@@ -493,14 +499,7 @@ bool ToolCallParser::end_cut_hermes_call(std::vector<ToolCallDelta>& out) {
   auto call = hermes_call(body);
   if (!call) call = cut_hermes_call(body);
   if (!call) return false;
-  call_raw_.clear();
-  ToolCallDelta d;
-  d.call = calls_++;
-  d.name = std::move(call->name);
-  d.arguments = std::move(call->arguments);
-  out.push_back(std::move(d));
-  state_ = State::kText;
-  after_call_ = true;
+  emit_hermes_call(std::move(call->name), std::move(call->arguments), out);
   return true;
 }
 

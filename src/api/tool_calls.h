@@ -81,6 +81,7 @@ class ToolCallParser {
   size_t find_hermes_close();
   void end_hermes_call(std::vector<ToolCallDelta>& out, size_t at);
   bool end_cut_hermes_call(std::vector<ToolCallDelta>& out);
+  void emit_hermes_call(std::string name, std::string arguments, std::vector<ToolCallDelta>& out);
 
   ToolCallFormat format_;
   State state_ = State::kText;
