@@ -518,12 +518,6 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
                    nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
                    text::ContentFormat format) {
   const json* tools = field(body, "tools");
-  // Refused whatever the tool_choice, as vLLM (PR #39780) and OpenAI (code empty_array) refuse
-  // it: a template given an empty list may still print its tool-use preamble (llama-3.1's does).
-  if (tools && tools->is_array() && tools->empty())
-    fail("tools",
-         "`tools` must not be an empty array. Either provide at least one tool or omit the field "
-         "entirely.");
   const bool have_tools = tools && !tools->empty();
   json choice = have_tools ? json("auto") : json("none");
   if (const json* c = field(body, "tool_choice")) choice = *c;
@@ -790,7 +784,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
 
 ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
                       const text::ChatTemplate* chat_template, const ModelLimits& limits,
-                      std::string_view raw_body) {
+                      std::string_view raw_body, ChatUse use) {
   if (!body.is_object()) fail("", "the request body must be a JSON object");
   ApiRequest r;
   r.kind = ApiKind::kChat;
@@ -801,6 +795,13 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     fail("messages", "'messages' must be a non-empty list");
   if (!chat_template) fail("messages", "the model has no chat template; use /v1/completions");
   const json* tools_field = field(body, "tools");
+  // A generation refuses it whatever the tool_choice, as vLLM (PR #39780) and OpenAI (code
+  // empty_array) refuse it: a template given an empty list may still print its tool-use preamble
+  // (llama-3.1's does). vLLM's TokenizeChatRequest takes it and renders the template with it.
+  if (use == ChatUse::kGenerate && tools_field && tools_field->is_array() && tools_field->empty())
+    fail("tools",
+         "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+         "entirely.");
   // The shape of content the template that renders this request reads (the tool-use template,
   // when the request has tools and the model one).
   const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);

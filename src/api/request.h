@@ -125,9 +125,13 @@ std::string model_name(const nlohmann::json& body, const ModelLimits& limits);
 // properties, tools); nlohmann::json sorts keys.
 ApiRequest parse_completion(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                             const ModelLimits& limits, std::string_view raw_body = {});
+// What a chat body is read for: a generation (/v1/chat/completions), or a count (/tokenize), which
+// takes "tools": [] as vLLM's TokenizeChatRequest does (the template sees the empty list), where a
+// generation refuses it as vLLM's and OpenAI's chat endpoints do.
+enum class ChatUse { kGenerate, kCount };
 ApiRequest parse_chat(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                       const text::ChatTemplate* chat_template, const ModelLimits& limits,
-                      std::string_view raw_body = {});
+                      std::string_view raw_body = {}, ChatUse use = ChatUse::kGenerate);
 // How a chat request uses tools: the markup its answer is read with (kNone: plain text) and,
 // when tool_choice forces calls, the structured output that makes the model write them.
 struct ToolUse {
@@ -139,13 +143,13 @@ struct ToolUse {
 
 // Reads a chat body's `tools`, `tool_choice` and `parallel_tool_calls` as parse_chat does, given
 // the tools as template_tools gives them (`tools_in_order`) and the messages as template_messages
-// gives them in the template's `format`: "none" (the default without tools) asks nothing of the
-// model and changes nothing; "auto" (the default with tools), "required" and a named function
-// need the model's tool-call markup (tool_call_markup), the forced ones compile the calls'
-// grammar, and, for a template that does not show tools (DeepSeek-V3's), a system message after
-// the client's own describes them (add_tool_description). The server and `tandem tokenize` both
-// call this, so they render the same prompt for each tool_choice. Throws ApiError naming the
-// field.
+// gives them in the template's `format`: "none" (the default without tools or with an empty list,
+// which a generation refuses before) asks nothing of the model and changes nothing; "auto" (the
+// default with tools), "required" and a named function need the model's tool-call markup
+// (tool_call_markup), the forced ones compile the calls' grammar, and, for a template that does
+// not show tools (DeepSeek-V3's), a system message after the client's own describes them
+// (add_tool_description). The server and `tandem tokenize` both call this, so they render the
+// same prompt for each tool_choice. Throws ApiError naming the field.
 ToolUse read_tools(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                    nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
                    text::ContentFormat format);

@@ -62,7 +62,8 @@ json tokenize_answer(const json& body, const text::Tokenizer& tokenizer,
   unbounded.default_max_tokens = 0;
   ApiRequest parsed;
   if (field(body, "messages")) {
-    parsed = parse_chat(chat_request(body), tokenizer, chat_template, unbounded, raw_body);
+    parsed = parse_chat(chat_request(body), tokenizer, chat_template, unbounded, raw_body,
+                        ChatUse::kCount);
   } else if (const json* prompt = field(body, "prompt")) {
     if (!prompt->is_string()) fail("prompt", "'prompt' must be a string");
     parsed = parse_completion(copy_fields(body, kCompletionFields), tokenizer, unbounded);

