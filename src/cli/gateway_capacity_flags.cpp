@@ -4,6 +4,8 @@
 #include <chrono>
 #include <limits>
 
+#include "net/http_server.h"
+
 namespace tandem::cli {
 namespace {
 
@@ -11,14 +13,6 @@ namespace {
 // "-1", and a number past 2^64, into a size_t as its largest value: without this bound, an
 // unbounded queue or cap where a typo was meant to be refused.
 constexpr size_t kMaxCount = std::numeric_limits<int>::max();
-
-// The connection cap one gateway takes without --max-connections, as net::HttpServer resolves
-// max_connections 0 (http_server.cpp, default_max_connections): three quarters of the descriptor
-// limit, the rest left for its upstream connections and files.
-size_t one_gateways_default_connection_cap(std::optional<size_t> descriptor_limit) {
-  if (!descriptor_limit) return size_t{1} << 20;
-  return std::max<size_t>(16, *descriptor_limit / 4 * 3);
-}
 
 // `whole` shared by `n`, rounded up: together at least `whole`, and never 0 where `whole` is not.
 size_t share_rounded_up(size_t whole, size_t n) {
@@ -91,13 +85,11 @@ void share_among_gateway_replicas(gateway::Topology& t, int replicas,
     p->max_in_flight = static_cast<int>(share_rounded_up(static_cast<size_t>(p->max_in_flight), n));
   // The default is an equal share rounded down: together no more than one gateway's, which
   // leaves the process a quarter of its descriptors.
-  t.max_connections =
-      t.max_connections > 0
-          ? share_rounded_up(t.max_connections, n)
-          : std::max<size_t>(1, one_gateways_default_connection_cap(descriptor_limit) / n);
-  // One address's connections are spread over the replicas as all are (the kernel picks a
-  // replica by the connection's addresses and ports), so each replica bounds its share of them.
-  t.max_connections_per_address = share_rounded_up(t.max_connections_per_address, n);
+  t.max_connections = t.max_connections > 0
+                          ? share_rounded_up(t.max_connections, n)
+                          : std::max<size_t>(1, net::default_max_connections(descriptor_limit) / n);
+  // max_connections_per_address stays whole: the replicas count one address's connections
+  // together (net::ConnectionsPerAddress), wherever the kernel sends each.
 }
 
 }  // namespace tandem::cli

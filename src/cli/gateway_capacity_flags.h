@@ -39,10 +39,12 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
 
 // `t`, the settings of a whole stack, made into those of each of its `replicas` gateway replicas
 // (`tandem serve --gateways`), which run in one process. Each takes its share of what bounds the
-// stack: the engines' in-flight limits and the client connection caps (the stack's file
+// stack: the engines' in-flight limits and the client connection cap (the stack's file
 // descriptor limit is one; with max_connections 0 each takes its share of three quarters of
-// `descriptor_limit`, nullopt where unknown or unlimited), a given cap divided rounding up (so
-// never to 0, which would mean the default). max_queue and io_threads stay each replica's own.
+// `descriptor_limit`, nullopt where unknown or unlimited), a given one divided rounding up (so
+// never to 0, which would mean the default). max_queue and io_threads stay each replica's own,
+// and max_connections_per_address whole: the replicas share one count of it
+// (net::ConnectionsPerAddress).
 void share_among_gateway_replicas(gateway::Topology& t, int replicas,
                                   std::optional<size_t> descriptor_limit);
 

@@ -1,7 +1,6 @@
 #include "cli/serve_command.h"
 
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +36,7 @@
 #include "model/make_model.h"
 #include "net/http.h"
 #include "net/http_client.h"
+#include "net/http_server.h"
 #include "util/child_process.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -71,15 +71,6 @@ std::string model_folder(const std::string& model) {
     if (p == model) return preset_model_path(model).string();
   throw Error("serve: --model '" + model + "' is neither a folder, a sim: preset nor one of the " +
               "make-model presets (tiny-v3, tiny-v2-lite, bench, tiny-qwen3-moe, bench-qwen3-moe)");
-}
-
-// This process's file descriptor limit, which its gateway replicas share; nullopt when unknown or
-// unlimited.
-std::optional<size_t> descriptor_limit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY)
-    return std::nullopt;
-  return static_cast<size_t>(limit.rlim_cur);
 }
 
 // The access log gateway replica `replica` writes: --access-log's file, FILE.k for replica k > 0
@@ -363,27 +354,32 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
         start_engine(mode == gateway::PdMode::kAggregated ? "both" : "decode"));
   // Gateway replicas share the port (SO_REUSEPORT) and the process (its file descriptor limit)
   // and nothing else: each follows the engines' KV events and load reports itself. Each takes its
-  // share of the engines' in-flight limits and of the connection caps, so together they send no
-  // engine more, and hold no more connections, than one gateway would (plus one per extra replica).
+  // share of the engines' in-flight limits and of the connection cap, so together they send no
+  // engine more, and hold no more connections, than one gateway would (plus one per extra
+  // replica); they count each client address's connections together.
   std::vector<std::unique_ptr<gateway::Gateway>> gateways;
   // An admin change through the replica a connection reached applies to every replica.
   std::shared_ptr<gateway::AdminReplicas> admin_replicas;
   // A scrape reaches one replica (on a keep-alive connection always the same one) and shows every
   // replica's series, each with its gateway_replica label (sum over it for totals).
   std::shared_ptr<metrics::RegistryGroup> metrics_replicas;
+  std::shared_ptr<net::ConnectionsPerAddress> connections_per_address;
   if (o.gateways > 1) {
     admin_replicas = std::make_shared<gateway::AdminReplicas>(static_cast<size_t>(o.gateways));
     metrics_replicas = std::make_shared<metrics::RegistryGroup>();
     g.reuse_port = true;
-    share_among_gateway_replicas(g, o.gateways, descriptor_limit());
+    share_among_gateway_replicas(g, o.gateways, net::descriptor_limit());
+    if (g.max_connections_per_address > 0)
+      connections_per_address =
+          std::make_shared<net::ConnectionsPerAddress>(g.max_connections_per_address);
   }
   for (int i = 0; i < o.gateways; ++i) {
     gateway::Topology replica = g;
     replica.access_log = replica_access_log(g.access_log, i);
     // Each replica counts for itself, its series told apart by their gateway_replica label.
     if (o.gateways > 1) replica.metrics_replica = std::to_string(i);
-    gateways.push_back(std::make_unique<gateway::Gateway>(replica, std::string(), admin_replicas,
-                                                          metrics_replicas));
+    gateways.push_back(std::make_unique<gateway::Gateway>(
+        replica, std::string(), admin_replicas, metrics_replicas, connections_per_address));
     gateways.back()->start();
     g.port = gateways.front()->port();  // the others join the first one's port
   }
@@ -481,10 +477,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--gateways", o->gateways,
                   "gateway replicas behind the one port (SO_REUSEPORT), in one process: each "
                   "takes its share of the engines' in-flight limits and of --max-connections "
-                  "and --max-connections-per-address (bounds of the whole stack, divided "
-                  "rounding up; without --max-connections, of three quarters of the file "
-                  "descriptor limit); --max-queue and --http-threads are each replica's own; "
-                  "an admin change through one applies to all")
+                  "(bounds of the whole stack, divided rounding up; without --max-connections, "
+                  "of three quarters of the file descriptor limit); "
+                  "--max-connections-per-address bounds an address across all of them; "
+                  "--max-queue and --http-threads are each replica's own; an admin change "
+                  "through one applies to all")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   cmd->add_option("--priority-classes", o->priority_classes,

@@ -48,7 +48,8 @@ std::unique_ptr<Policy> policy_of(const Topology& t, const std::string& config_p
 class Gateway::Impl {
  public:
   Impl(Topology topology, std::string config_path, std::shared_ptr<AdminReplicas> replicas,
-       std::shared_ptr<metrics::RegistryGroup> metrics_group)
+       std::shared_ptr<metrics::RegistryGroup> metrics_group,
+       std::shared_ptr<net::ConnectionsPerAddress> connections_per_address)
       : topo_((validate(topology), std::move(topology))),
         policy_(policy_of(topo_, config_path)),
         registry_(topo_.metrics_replica.empty()
@@ -62,7 +63,7 @@ class Gateway::Impl {
         access_log_(topo_.access_log.empty() ? nullptr
                                              : std::make_unique<AccessLog>(
                                                    topo_.access_log, &metrics_.access_log_dropped)),
-        server_(server_options()),
+        server_(server_options(std::move(connections_per_address))),
         client_(server_),
         upstream_(client_, topo_.engine_api_key),
         executor_(make_executor()),
@@ -166,7 +167,8 @@ class Gateway::Impl {
     net::pass_io_threads(server_, static_cast<size_t>(std::max(1, topo_.io_threads)));
   }
 
-  net::HttpServerOptions server_options() const {
+  net::HttpServerOptions server_options(
+      std::shared_ptr<net::ConnectionsPerAddress> connections_per_address) const {
     net::HttpServerOptions o;
     o.host = topo_.host;
     o.port = topo_.port;
@@ -177,6 +179,7 @@ class Gateway::Impl {
     o.max_unsent_bytes = topo_.max_unsent_bytes;
     o.max_connections = topo_.max_connections;
     o.max_connections_per_address = topo_.max_connections_per_address;
+    o.connections_per_address = std::move(connections_per_address);
     o.error_response = api::openai_error_response;
     return o;
   }
@@ -218,9 +221,10 @@ class Gateway::Impl {
 
 Gateway::Gateway(Topology topology, std::string config_path,
                  std::shared_ptr<AdminReplicas> replicas,
-                 std::shared_ptr<metrics::RegistryGroup> metrics_group)
+                 std::shared_ptr<metrics::RegistryGroup> metrics_group,
+                 std::shared_ptr<net::ConnectionsPerAddress> connections_per_address)
     : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path), std::move(replicas),
-                                   std::move(metrics_group))) {}
+                                   std::move(metrics_group), std::move(connections_per_address))) {}
 Gateway::~Gateway() {
   stop(std::chrono::milliseconds::zero());
 }

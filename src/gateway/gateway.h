@@ -29,6 +29,10 @@
 #include "gateway/topology.h"
 #include "util/metrics.h"
 
+namespace tandem::net {
+class ConnectionsPerAddress;  // net/http_server.h
+}  // namespace tandem::net
+
 namespace tandem::gateway {
 
 class AdminReplicas;  // admin_api.h
@@ -39,10 +43,14 @@ class Gateway {
   // `replicas`: for replicas behind one port, the set every replica is built with, so an admin
   // change through any of them applies to all (null: alone). `metrics_group`: for replicas behind
   // one port, the group whose every replica's series a scrape of any of them shows (null: its
-  // own only). Throws tandem::Error for an inconsistent topology or an unreadable model folder.
+  // own only). `connections_per_address`: for replicas behind one port, the count of client
+  // connections per address they share, so one address holds at most
+  // topology.max_connections_per_address across all of them (null: the gateway's own count).
+  // Throws tandem::Error for an inconsistent topology or an unreadable model folder.
   explicit Gateway(Topology topology, std::string config_path = {},
                    std::shared_ptr<AdminReplicas> replicas = nullptr,
-                   std::shared_ptr<metrics::RegistryGroup> metrics_group = nullptr);
+                   std::shared_ptr<metrics::RegistryGroup> metrics_group = nullptr,
+                   std::shared_ptr<net::ConnectionsPerAddress> connections_per_address = nullptr);
   ~Gateway();
   Gateway(const Gateway&) = delete;
   Gateway& operator=(const Gateway&) = delete;

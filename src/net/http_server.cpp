@@ -47,16 +47,6 @@ constexpr size_t kDrainBytes = size_t{1} << 20;
 // would keep them.
 constexpr size_t kKeptSlackBytes = size_t{64} << 10;
 
-// The connection cap when none is configured: three quarters of the file descriptor limit, so a
-// flood of connections leaves the process descriptors for its upstream connections and files.
-size_t default_max_connections() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
-    return size_t{1} << 20;
-  }
-  return std::max<size_t>(16, static_cast<size_t>(limit.rlim_cur) / 4 * 3);
-}
-
 void check_status(int status) {
   if (status < 200 || status > 999) {
     throw Error("HTTP response status " + std::to_string(status) +
@@ -98,6 +88,14 @@ Headers with_cors(const Headers& headers, const std::string& allow_origin) {
   return out;
 }
 
+// The count of connections per address a server with `options` keeps: the shared one, or its own
+// for max_connections_per_address; null without a limit.
+std::shared_ptr<ConnectionsPerAddress> per_address_count(const HttpServerOptions& options) {
+  if (options.connections_per_address) return options.connections_per_address;
+  if (options.max_connections_per_address == 0) return nullptr;
+  return std::make_shared<ConnectionsPerAddress>(options.max_connections_per_address);
+}
+
 void run_callbacks(Callbacks& callbacks) {
   for (auto& callback : callbacks) {
     if (callback) callback();
@@ -105,6 +103,32 @@ void run_callbacks(Callbacks& callbacks) {
 }
 
 }  // namespace
+
+std::optional<size_t> descriptor_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY)
+    return std::nullopt;
+  return static_cast<size_t>(limit.rlim_cur);
+}
+
+size_t default_max_connections(std::optional<size_t> limit) {
+  if (!limit) return size_t{1} << 20;
+  return std::max<size_t>(16, *limit / 4 * 3);
+}
+
+bool ConnectionsPerAddress::admit(const std::string& address) {
+  std::lock_guard lock(mu_);
+  size_t& held = held_[address];
+  if (held >= limit_) return false;
+  ++held;
+  return true;
+}
+
+void ConnectionsPerAddress::release(const std::string& address) {
+  std::lock_guard lock(mu_);
+  auto it = held_.find(address);
+  if (it != held_.end() && --it->second == 0) held_.erase(it);
+}
 
 namespace detail {
 
@@ -412,6 +436,7 @@ class ServerImpl {
   explicit ServerImpl(HttpServerOptions options)
       : options_(std::move(options)),
         max_body_time_(total_body_time(options_.max_body_time, options_.max_body_bytes)),
+        per_address_(per_address_count(options_)),
         loops_(static_cast<size_t>(std::max(1, options_.threads))) {}
   ~ServerImpl() { stop(std::chrono::milliseconds::zero()); }
 
@@ -466,9 +491,8 @@ class ServerImpl {
   std::atomic<uint16_t> port_{0};
   size_t max_connections_ = 0;  // resolved at start()
   std::atomic<size_t> open_connections_{0};
-  // Connections per peer address; kept only with max_connections_per_address.
-  std::mutex per_address_mu_;
-  std::unordered_map<std::string, size_t> per_address_;  // under per_address_mu_
+  // Connections per peer address, shared or the server's own; null without a per-address limit.
+  const std::shared_ptr<ConnectionsPerAddress> per_address_;
   // Strangers can repeat these at will: at most one log line per interval each.
   LogThrottle cap_log_{std::chrono::seconds(10)};
   LogThrottle address_cap_log_{std::chrono::seconds(10)};
@@ -1180,21 +1204,12 @@ bool ServerImpl::admit_connection(const std::string& address) {
     }
     return false;
   }
-  const size_t per_address = options_.max_connections_per_address;
-  if (per_address == 0) return true;
-  {
-    std::lock_guard lock(per_address_mu_);
-    size_t& held = per_address_[address];
-    if (held < per_address) {
-      ++held;
-      return true;
-    }
-  }
+  if (!per_address_ || per_address_->admit(address)) return true;
   open_connections_.fetch_sub(1, std::memory_order_relaxed);
   // One line per interval whatever the address: a stranger must not be able to flood the log.
   if (auto held_back = address_cap_log_.admit(LogThrottle::Clock::now())) {
-    log("per-address connection cap reached (" + std::to_string(per_address) + " from " + address +
-        "): closing its new connections" +
+    log("per-address connection cap reached (" + std::to_string(per_address_->limit()) + " from " +
+        address + "): closing its new connections" +
         (*held_back > 0 ? " (" + std::to_string(*held_back) + " closed since the last line)" : ""));
   }
   return false;
@@ -1202,10 +1217,7 @@ bool ServerImpl::admit_connection(const std::string& address) {
 
 void ServerImpl::connection_closed(const std::string& address) {
   open_connections_.fetch_sub(1, std::memory_order_relaxed);
-  if (options_.max_connections_per_address == 0) return;
-  std::lock_guard lock(per_address_mu_);
-  auto it = per_address_.find(address);
-  if (it != per_address_.end() && --it->second == 0) per_address_.erase(it);
+  if (per_address_) per_address_->release(address);
 }
 
 void ServerImpl::loop_finished() {
@@ -1236,8 +1248,8 @@ void ServerImpl::start() {
   if (options_.threads < 1) {
     throw Error("HttpServer: threads must be at least 1, got " + std::to_string(options_.threads));
   }
-  max_connections_ =
-      options_.max_connections > 0 ? options_.max_connections : default_max_connections();
+  max_connections_ = options_.max_connections > 0 ? options_.max_connections
+                                                  : default_max_connections(descriptor_limit());
   uint16_t bound = 0;
   listen_fd_ = listen_tcp(options_.host, options_.port, bound, options_.reuse_port);
   port_ = bound;

@@ -18,8 +18,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "net/http.h"
@@ -95,6 +98,31 @@ class Exchange {
   std::shared_ptr<detail::ExchangeState> state_;
 };
 
+// This process's file descriptor limit (RLIMIT_NOFILE); nullopt when unknown or unlimited.
+std::optional<size_t> descriptor_limit();
+// The connection cap of a server without max_connections, for a process whose descriptor limit
+// is `limit` (descriptor_limit()): three quarters of it, so that a flood of connections leaves
+// the process descriptors for its upstream connections and files.
+size_t default_max_connections(std::optional<size_t> limit);
+
+// Client connections held at once per peer address, counted for one server or for several that
+// share it (gateway replicas behind one port, each with a server of its own: the kernel spreads an
+// address's connections over them, so only a count they share bounds the address). Thread-safe.
+class ConnectionsPerAddress {
+ public:
+  explicit ConnectionsPerAddress(size_t limit) : limit_(limit) {}
+  size_t limit() const { return limit_; }
+  // Takes a place for a new connection from `address`: false when it holds `limit` already.
+  bool admit(const std::string& address);
+  // A connection admit() took a place for has closed.
+  void release(const std::string& address);
+
+ private:
+  const size_t limit_;
+  std::mutex mu_;
+  std::unordered_map<std::string, size_t> held_;  // under mu_; addresses holding none are absent
+};
+
 // Runs on an io thread; see the threading model above. `request` is exchange->request(), valid as
 // long as the exchange. An exception escaping the handler becomes a 500 (or cuts a stream it
 // started) and is logged; the server keeps running.
@@ -160,6 +188,9 @@ struct HttpServerOptions {
   // host cannot take every connection (slowloris from one machine). 0: no per-address limit,
   // for servers behind a proxy or load balancer, where every client shares its address.
   size_t max_connections_per_address = 0;
+  // The count of connections per address shared with other servers, whose limit then applies in
+  // place of max_connections_per_address. Null: the server counts its own.
+  std::shared_ptr<ConnectionsPerAddress> connections_per_address;
   // Where the server reports what only an operator can act on (handler exceptions, accept
   // failures, the connection cap). Empty: standard error.
   std::function<void(const std::string&)> log;

@@ -2097,6 +2097,54 @@ TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
   EXPECT_LE(logged.size(), 2u) << "refusals are logged once per interval, not each";
 }
 
+// Gateway replicas behind one port are servers of their own; each counted an address's
+// connections for itself, so one address held the cap on every replica (N times it). Servers that
+// share one count hold the cap between them.
+TEST(HttpServer, ServersSharingAPerAddressCountHoldItsCapBetweenThem) {
+  const auto shared = std::make_shared<ConnectionsPerAddress>(2);
+  std::vector<std::unique_ptr<HttpServer>> servers;
+  std::atomic<int> calls{0};
+  for (int i = 0; i < 2; ++i) {
+    HttpServerOptions options = local_options();
+    options.threads = 1;
+    options.max_connections_per_address = 5;  // the shared count's limit applies instead
+    options.connections_per_address = shared;
+    options.log = [](const std::string&) {};
+    servers.push_back(std::make_unique<HttpServer>(options));
+    count_posts_to_x(*servers.back(), calls);
+  }
+  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
+  auto served = [&](RawConnection& c) {
+    std::string got;
+    try {
+      c.send(post);
+    } catch (const std::runtime_error&) {
+      return false;  // already closed by the server
+    }
+    return c.read_until(got, "{}");
+  };
+  auto a = std::make_unique<RawConnection>(servers[0]->port(), "127.0.0.1");
+  ASSERT_TRUE(served(*a));
+  RawConnection b(servers[1]->port(), "127.0.0.1");
+  ASSERT_TRUE(served(b));
+  // The address holds 2: a third connection is refused by either server.
+  for (const auto& server : servers) {
+    RawConnection refused(server->port(), "127.0.0.1");
+    EXPECT_EQ(refused.read_all(), "");
+    EXPECT_TRUE(refused.eof());
+  }
+  RawConnection other(servers[0]->port(), "127.0.0.2");
+  EXPECT_TRUE(served(other));
+  // A connection closed on one server gives the address a place on the other.
+  a.reset();
+  bool readmitted = false;
+  for (int i = 0; i < 200 && !readmitted; ++i) {  // the close reaches the server's loop first
+    RawConnection again(servers[1]->port(), "127.0.0.1");
+    readmitted = served(again);
+  }
+  EXPECT_TRUE(readmitted);
+}
+
 TEST(HttpServer, TheDefaultConnectionCapIsThreeQuartersOfTheDescriptorLimit) {
   HttpServer server(local_options());
   server.start();
