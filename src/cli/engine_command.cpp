@@ -61,6 +61,7 @@ struct EngineOptions {
   int http_threads = 1;
   int64_t max_body_bytes = 8 << 20;
   size_t max_connections = 0;
+  std::vector<std::string> allowed_origins = net::HttpServerOptions{}.allowed_origins;
   SimExecutorFlags sim;
   double sim_time_scale = 1.0;
   int expert_parallel = 1;
@@ -375,6 +376,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   http.threads = o.http_threads;
   http.max_body_bytes = static_cast<size_t>(o.max_body_bytes);
   http.max_connections = o.max_connections;
+  http.allowed_origins = o.allowed_origins;
   std::vector<std::string> api_keys = o.api_keys;
   if (const char* key = std::getenv(engine::kEngineApiKeyVariable); api_keys.empty() && key && *key)
     api_keys.push_back(key);
@@ -550,6 +552,7 @@ CLI::App* add_engine_subcommand(CLI::App& app, EngineOptions& o) {
       ->capture_default_str()
       ->check(positive_number());
   add_max_connections_flag(*cmd, o.max_connections);  // the gateway's: one definition
+  add_allowed_origins_flag(*cmd, o.allowed_origins);  // likewise
   cmd->add_option("--sim-time-scale", o.sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()

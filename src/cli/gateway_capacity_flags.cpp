@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "net/http_server.h"
+#include "util/error.h"
 
 namespace tandem::cli {
 namespace {
@@ -53,6 +54,28 @@ void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags) {
   cmd.add_option("--http-threads", flags.http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, gateway::kMaxIoThreads));
+  add_allowed_origins_flag(cmd, flags.allowed_origins);
+}
+
+void add_allowed_origins_flag(CLI::App& cmd, std::vector<std::string>& origins) {
+  const CLI::Validator checked(
+      [](std::string& value) {
+        try {
+          net::parse_allowed_origins(value);
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      },
+      "ORIGINS");
+  cmd.add_option_function<std::string>(
+         "--allowed-origins",
+         [&origins](const std::string& value) { origins = net::parse_allowed_origins(value); },
+         "CORS: the origins of the browser pages that may call this server, separated by commas "
+         "(https://app.example.com,http://localhost:3000) or as vLLM's JSON list; * allows any, "
+         "'' none")
+      ->default_str("*")
+      ->check(checked);
 }
 
 void add_max_connections_flag(CLI::App& cmd, size_t& max_connections) {
@@ -75,6 +98,7 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
   if (given("--http-threads")) t.io_threads = flags.http_threads;
   if (given("--max-body-time-ms"))
     t.max_body_time = std::chrono::milliseconds(flags.max_body_time_ms);
+  if (given("--allowed-origins")) t.allowed_origins = flags.allowed_origins;
 }
 
 void share_among_gateway_replicas(gateway::Topology& t, int replicas,

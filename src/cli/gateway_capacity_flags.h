@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -22,6 +24,8 @@ struct GatewayCapacityFlags {
   size_t max_answer_bytes = gateway::Topology{}.max_answer_bytes;  // --max-answer-bytes
   int http_threads = gateway::Topology{}.io_threads;               // --http-threads
   int64_t max_body_time_ms = gateway::Topology{}.max_body_time.count();  // --max-body-time-ms
+  std::vector<std::string> allowed_origins =
+      gateway::Topology{}.allowed_origins;  // --allowed-origins
 };
 
 // Adds the flags to `cmd`; a value out of bounds is refused as the command line is read, naming
@@ -31,6 +35,11 @@ void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags);
 // --max-connections as `tandem gateway`, `tandem serve` and `tandem engine` take it (one
 // definition): its help, default 0 and bounds.
 void add_max_connections_flag(CLI::App& cmd, size_t& max_connections);
+
+// --allowed-origins as `tandem gateway`, `tandem serve` and `tandem engine` take it (one
+// definition): net::parse_allowed_origins' forms, default "*"; an entry that is no origin is
+// refused as the command line is read.
+void add_allowed_origins_flag(CLI::App& cmd, std::vector<std::string>& origins);
 
 // Writes the flags into `t`: those given on `cmd` only where `t` has settings of its own (a
 // --config file's), else every flag, given or by default.

@@ -125,7 +125,8 @@ std::vector<std::string> not_applied(const Topology& then, const Topology& now) 
             then.max_body_time == now.max_body_time &&
             then.max_unsent_bytes == now.max_unsent_bytes &&
             then.max_connections == now.max_connections &&
-            then.max_connections_per_address == now.max_connections_per_address,
+            then.max_connections_per_address == now.max_connections_per_address &&
+            then.allowed_origins == now.allowed_origins,
         "listen");
   check(then.policy == now.policy, "policy");
   check(then.model == now.model, "model");

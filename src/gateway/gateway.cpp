@@ -180,6 +180,7 @@ class Gateway::Impl {
     o.max_connections = topo_.max_connections;
     o.max_connections_per_address = topo_.max_connections_per_address;
     o.connections_per_address = std::move(connections_per_address);
+    o.allowed_origins = topo_.allowed_origins;
     o.error_response = api::openai_error_response;
     return o;
   }

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "net/http.h"
+#include "net/http_server.h"
 #include "util/error.h"
 #include "util/file.h"
 #include "util/utf8.h"
@@ -518,10 +519,10 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
-    const auto listen =
-        r.mapping(keys.at("listen"), "listen",
-                  {"host", "port", "io_threads", "reuse_port", "max_body_bytes", "max_unsent_bytes",
-                   "max_connections", "max_connections_per_address", "max_body_time_ms"});
+    const auto listen = r.mapping(
+        keys.at("listen"), "listen",
+        {"host", "port", "io_threads", "reuse_port", "max_body_bytes", "max_unsent_bytes",
+         "max_connections", "max_connections_per_address", "max_body_time_ms", "allowed_origins"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
@@ -544,6 +545,19 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     if (listen.count("max_connections_per_address"))
       t.max_connections_per_address = static_cast<size_t>(r.count(
           listen.at("max_connections_per_address"), "listen.max_connections_per_address", 0));
+    if (listen.count("allowed_origins")) {
+      const YAML::Node& list = listen.at("allowed_origins");
+      const char* expected = "a list of origins (https://app.example.com, or \"*\" for any)";
+      if (!list.IsSequence()) r.fail("listen.allowed_origins", expected, Reader::describe(list));
+      t.allowed_origins.clear();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const std::string path = at("listen.allowed_origins", i);
+        std::string origin = r.non_empty_string(list[i], path, "an origin");
+        if (const std::string why = net::allowed_origin_error(origin); !why.empty())
+          throw Error(r.where(path) + ": '" + origin + "': " + why);
+        t.allowed_origins.push_back(std::move(origin));
+      }
+    }
   }
   if (has("prefill")) t.prefill = read_pool(r, keys.at("prefill"), "prefill", false);
   if (!has("decode")) r.fail("decode.endpoints", "a list of engines", "nothing");

@@ -174,6 +174,10 @@ struct Topology {
   size_t max_unsent_bytes = size_t{16} << 20;
   size_t max_connections = 0;  // client connections held at once; 0: 3/4 of the fd limit
   size_t max_connections_per_address = 0;  // of those, from one peer address; 0: no limit
+  // CORS (net::HttpServerOptions::allowed_origins): the browser origins whose pages may call the
+  // gateway; "*": any, as vLLM's default; empty: none. The file's listen.allowed_origins,
+  // --allowed-origins.
+  std::vector<std::string> allowed_origins = {"*"};
 
   PdMode mode = PdMode::kAggregated;
   Pool prefill, decode;

@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "net/body_read_deadline.h"
 #include "net/byte_buffer.h"
 #include "net/event_loop.h"
@@ -70,12 +72,6 @@ void append_response(std::string& out, const HttpResponse& r, const Headers& hea
   if (!head_only) out += r.body;
 }
 
-void append_error(std::string& out, ErrorFormatter format, int status, std::string_view message,
-                  bool close, bool keep_alive_10) {
-  const HttpResponse r = format(status, message, {}, {});
-  append_response(out, r, r.headers, close, keep_alive_10);
-}
-
 // `headers` with the CORS answer for a request from a browser page of origin... (`allow_origin`
 // non-empty, as ServerImpl::allow_origin gave it).
 Headers with_cors(const Headers& headers, const std::string& allow_origin) {
@@ -86,6 +82,14 @@ Headers with_cors(const Headers& headers, const std::string& allow_origin) {
     if (allow_origin != "*") out.add("Vary", "Origin");
   }
   return out;
+}
+
+// `allow_origin`: as ExchangeState's (empty: no CORS header).
+void append_error(std::string& out, ErrorFormatter format, int status, std::string_view message,
+                  bool close, bool keep_alive_10, const std::string& allow_origin) {
+  const HttpResponse r = format(status, message, {}, {});
+  append_response(out, r, allow_origin.empty() ? r.headers : with_cors(r.headers, allow_origin),
+                  close, keep_alive_10);
 }
 
 // The count of connections per address a server with `options` keeps: the shared one, or its own
@@ -114,6 +118,54 @@ std::optional<size_t> descriptor_limit() {
 size_t default_max_connections(std::optional<size_t> limit) {
   if (!limit) return size_t{1} << 20;
   return std::max<size_t>(16, *limit / 4 * 3);
+}
+
+std::string allowed_origin_error(std::string_view origin) {
+  if (origin == "*") return {};
+  const size_t scheme_end = origin.find("://");
+  if (scheme_end == std::string_view::npos || scheme_end == 0 || scheme_end + 3 == origin.size())
+    return "expected an origin such as https://app.example.com (scheme://host[:port]) or *";
+  for (const char c : origin)
+    if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f || c == ',')
+      return "an origin has no spaces, commas or control characters";
+  if (origin.find_first_of("/?#", scheme_end + 3) != std::string_view::npos)
+    return "an origin is scheme://host[:port] without a path (a page's Origin never has one)";
+  return {};
+}
+
+std::vector<std::string> parse_allowed_origins(std::string_view value) {
+  std::vector<std::string> origins;
+  const size_t first = value.find_first_not_of(" \t");
+  if (first != std::string_view::npos && value[first] == '[') {
+    // vLLM's form: --allowed-origins '["https://app.example.com"]'.
+    nlohmann::json list;
+    try {
+      list = nlohmann::json::parse(value);
+    } catch (const std::exception&) {
+      throw Error("expected origins separated by commas or a JSON list of origins, got '" +
+                  std::string(value) + "'");
+    }
+    if (!list.is_array()) throw Error("expected a JSON list of origins");
+    for (const auto& origin : list) {
+      if (!origin.is_string())
+        throw Error("expected a JSON list of origins (strings), got " + origin.dump());
+      origins.push_back(origin.get<std::string>());
+    }
+  } else {
+    for (size_t begin = 0; begin <= value.size() && !value.empty();) {
+      size_t end = value.find(',', begin);
+      if (end == std::string_view::npos) end = value.size();
+      std::string_view origin = value.substr(begin, end - begin);
+      while (!origin.empty() && origin.front() == ' ') origin.remove_prefix(1);
+      while (!origin.empty() && origin.back() == ' ') origin.remove_suffix(1);
+      origins.emplace_back(origin);
+      begin = end + 1;
+    }
+  }
+  for (const std::string& origin : origins)
+    if (std::string why = allowed_origin_error(origin); !why.empty())
+      throw Error("'" + origin + "': " + why);
+  return origins;
 }
 
 bool ConnectionsPerAddress::admit(const std::string& address) {
@@ -969,10 +1021,15 @@ void Connection::arm_deadlines() {
 }
 
 void Connection::fail_request(const ParseError& error) {
+  // Once its head was read (a 413 from its Content-Length, a body that is malformed or late), a
+  // page's request gets its CORS header, as any answer: without it the browser hides the error
+  // from the page. (Until begin_request, request_ holds no fields: a head that failed has none.)
+  const std::string allow_origin = server_.allow_origin(request_);
   request_started_ = false;
   body_deadline_.reset();
   phase_ = Phase::kErrorSent;
-  append_error(out_, server_.options().error_response, error.status, error.message, true, false);
+  append_error(out_, server_.options().error_response, error.status, error.message, true, false,
+               allow_origin);
   read_deadline_ = 0;
   arm_deadlines();
   flush();

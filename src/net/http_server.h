@@ -204,6 +204,15 @@ struct HttpServerOptions {
   std::vector<std::string> allowed_origins = {"*"};
 };
 
+// Why `origin` can be no entry of HttpServerOptions::allowed_origins, which browsers compare
+// whole with their Origin header: "*", or scheme://host[:port] without a path (a trailing '/'
+// never matches); empty when it can.
+std::string allowed_origin_error(std::string_view origin);
+// `--allowed-origins`' value as `tandem gateway`, `engine` and `serve` take it: origins separated
+// by commas, or vLLM's JSON list (["https://app.example.com"]); "" allows none (no CORS). Throws
+// tandem::Error naming the entry that is no origin.
+std::vector<std::string> parse_allowed_origins(std::string_view value);
+
 class HttpServer {
  public:
   explicit HttpServer(HttpServerOptions options = {});

@@ -119,6 +119,39 @@ TEST(GatewayCapacityFlags, ABadValueIsRefusedNamingTheFlag) {
   }
 }
 
+// CORS: no flag set net::HttpServerOptions::allowed_origins, so every origin was allowed. The
+// flag takes origins separated by commas, or vLLM's JSON list; "*" (any) when left out, as
+// vLLM's default; '' none. An entry that is no origin is refused naming the flag and the entry.
+TEST(GatewayCapacityFlags, AllowedOriginsAreACommaListOrVllmsJsonList) {
+  for (const auto& [value, want] :
+       {std::pair{"https://a.example, http://localhost:3000",
+                  std::vector<std::string>{"https://a.example", "http://localhost:3000"}},
+        std::pair{R"(["https://a.example"])", std::vector<std::string>{"https://a.example"}},
+        std::pair{"*", std::vector<std::string>{"*"}}, std::pair{"", std::vector<std::string>{}}}) {
+    CapacityFlags cli;
+    ASSERT_EQ(cli.parse({"--allowed-origins", value}), "") << value;
+    EXPECT_EQ(cli.applied(gateway::Topology{}, /*only_given=*/true).allowed_origins, want) << value;
+  }
+  CapacityFlags none;
+  ASSERT_EQ(none.parse({}), "");
+  EXPECT_EQ(none.applied(gateway::Topology{}, /*only_given=*/false).allowed_origins,
+            std::vector<std::string>{"*"});
+  gateway::Topology file;
+  file.allowed_origins = {"https://file.example"};
+  EXPECT_EQ(none.applied(file, /*only_given=*/true).allowed_origins, file.allowed_origins);
+  for (const auto& [value, said] :
+       {std::pair{"https://a.example/", "'https://a.example/': an origin is scheme://host[:port]"},
+        std::pair{"a.example", "'a.example': expected an origin"},
+        std::pair{"https://a.example,", "'': expected an origin"},
+        std::pair{R"(["https://a.example", 5])", "expected a JSON list of origins (strings)"},
+        std::pair{"[https://a.example]", "expected origins separated by commas or a JSON list"}}) {
+    CapacityFlags cli;
+    const std::string error = cli.parse({"--allowed-origins", value});
+    EXPECT_THAT(error, HasSubstr("--allowed-origins")) << value;
+    EXPECT_THAT(error, HasSubstr(said)) << value;
+  }
+}
+
 // The largest values a topology file takes are taken.
 TEST(GatewayCapacityFlags, TheBoundsThemselvesAreTaken) {
   CapacityFlags cli;

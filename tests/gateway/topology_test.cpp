@@ -407,6 +407,29 @@ TEST(ParseEndpointEntry, ReadsJsonAsTheFileReadsAnEndpointsEntry) {
 // ---------------------------------------------------------------------------------------------
 // The file: errors name the key path
 
+// CORS for browser pages (net::HttpServerOptions::allowed_origins): no setting set it, so a
+// gateway allowed every origin, always. listen.allowed_origins lists them ("*": any, the default;
+// []: none); an entry that is no origin (a path, a missing scheme) would never match a page's
+// Origin, and is refused naming it.
+TEST(TopologyYaml, ListenAllowedOriginsListsTheOriginsOfPagesThatMayCall) {
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml(), "t.yaml").allowed_origins,
+            std::vector<std::string>{"*"});
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("listen: {allowed_origins: [\"https://a.example\", "
+                                              "\"http://localhost:3000\"]}\n"),
+                                "t.yaml")
+                .allowed_origins,
+            (std::vector<std::string>{"https://a.example", "http://localhost:3000"}));
+  EXPECT_TRUE(parse_topology_yaml(parallel_yaml("listen: {allowed_origins: []}\n"), "t.yaml")
+                  .allowed_origins.empty());
+  EXPECT_THAT(yaml_error(parallel_yaml("listen: {allowed_origins: \"*\"}\n")),
+              StartsWith("t.yaml: listen.allowed_origins: expected a list of origins"));
+  EXPECT_THAT(yaml_error(parallel_yaml("listen: {allowed_origins: [\"https://a.example/\"]}\n")),
+              StartsWith("t.yaml: listen.allowed_origins[0]: 'https://a.example/': an origin is "
+                         "scheme://host[:port] without a path"));
+  EXPECT_THAT(yaml_error(parallel_yaml("listen: {allowed_origins: [\"*\", a.example]}\n")),
+              StartsWith("t.yaml: listen.allowed_origins[1]: 'a.example': expected an origin"));
+}
+
 TEST(TopologyYaml, UnknownKeysAreErrors) {
   EXPECT_THAT(yaml_error(parallel_yaml("modes: parallel\n")),
               StartsWith("t.yaml: modes: expected one of listen, mode, model, "));
@@ -414,7 +437,7 @@ TEST(TopologyYaml, UnknownKeysAreErrors) {
       yaml_error(parallel_yaml("listen: {hots: a}\n")),
       StartsWith("t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
                  "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, "
-                 "max_body_time_ms, got an unknown key"));
+                 "max_body_time_ms, allowed_origins, got an unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
   EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),

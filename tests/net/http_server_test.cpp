@@ -454,6 +454,47 @@ TEST(HttpServer, CorsAllowsOnlyTheListedOrigins) {
   }
 }
 
+// The errors the server writes itself once a request's head is read (a body too large, malformed
+// or late: 413, 400, 408) carried no CORS header, so a page's fetch saw a network error instead of
+// the answer. They carry it as every answer does; a head that fails was never read, so its Origin
+// is not known.
+TEST(HttpServer, AnErrorWrittenBeforeTheBodyIsReadAllowsThePagesOrigin) {
+  HttpServerOptions options = local_options();
+  options.max_body_bytes = 1024;
+  options.read_timeout = 50ms;  // the late body's 408 (no timing is asserted)
+  options.allowed_origins = {"https://app.example.com"};
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  const auto head = [](const std::string& origin, const std::string& framing) {
+    return "POST /x HTTP/1.1\r\nHost: a\r\nOrigin: " + origin + "\r\n" + framing + "\r\n";
+  };
+  struct Case {
+    std::string framing, body;
+    int status;
+  };
+  for (const Case& c : {Case{"Content-Length: 2000\r\n", std::string(2000, 'a'), 413},
+                        Case{"Transfer-Encoding: chunked\r\n", "zz\r\n", 400},
+                        Case{"Content-Length: 10\r\n", "abc", 408}}) {
+    for (const std::string origin : {"https://app.example.com", "https://evil.example.com"}) {
+      RawConnection connection(server.port());
+      connection.send(head(origin, c.framing) + c.body);
+      const std::string raw = connection.read_all();
+      EXPECT_EQ(status_of(raw), c.status) << raw;
+      const std::string allowed = "\r\nAccess-Control-Allow-Origin: " + origin + "\r\n";
+      const bool want = origin == "https://app.example.com";
+      EXPECT_EQ(raw.find(allowed) != std::string::npos, want) << raw;
+      EXPECT_EQ(raw.find("\r\nVary: Origin\r\n") != std::string::npos, want) << raw;
+    }
+  }
+  RawConnection bad_head(server.port());
+  bad_head.send("POST /x HTTP/1.1\r\nOrigin: https://app.example.com\r\nBad Header\r\n\r\n");
+  const std::string raw = bad_head.read_all();
+  EXPECT_EQ(status_of(raw), 400) << raw;
+  EXPECT_EQ(raw.find("Access-Control-Allow-Origin"), std::string::npos) << raw;
+  EXPECT_EQ(calls.load(), 0);
+}
+
 TEST(HttpServer, ErrorsArePlainTextUnlessAnErrorBodyIsInstalled) {
   HttpServerOptions options = local_options();
   options.error_response = plain_error_response;
