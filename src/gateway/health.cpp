@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -11,6 +13,8 @@
 #include "api/load_report.h"
 #include "api/model_list.h"
 #include "gateway/engine_get.h"
+#include "util/error.h"
+#include "util/json.h"
 #include "util/utf8.h"
 
 namespace tandem::gateway {
@@ -24,47 +28,88 @@ constexpr size_t kMaxAnswerBytes = size_t{1} << 20;
 // does not exist."); SGLang, TGI and llama.cpp list their model path but serve any name
 // (sglang#4293), so an alias as served_model_name is fine there. Known from the pool's dialect,
 // else from the list's owned_by ("tandem", "vllm"; SGLang says "sglang").
-bool refuses_unknown_names(Dialect dialect, const nlohmann::json& data) {
+bool refuses_unknown_names(Dialect dialect, const ModelListSummary& list) {
   if (dialect == Dialect::kTandem || dialect == Dialect::kVllm) return true;
-  if (dialect != Dialect::kAuto) return false;
-  for (const auto& m : data) {
-    if (!m.is_object() || !m.contains("owned_by") || !m["owned_by"].is_string()) continue;
-    const std::string& owner = m["owned_by"].get_ref<const std::string&>();
-    if (owner == "tandem" || owner == "vllm") return true;
-  }
-  return false;
+  return dialect == Dialect::kAuto && list.owned_by_refusing_server;
+}
+
+// Whether `key` (an engine's name and address, and what is said of it) is new to this process:
+// the gateway's replicas (--gateways N) each check every engine, and a line about the engine
+// itself says nothing more the second time. Any thread.
+bool first_in_process(const std::string& key) {
+  static std::mutex mutex;
+  static std::set<std::string> said;
+  std::lock_guard lock(mutex);
+  return said.insert(key).second;
+}
+
+// The string value of `object`'s field `key`, or null.
+const std::string* string_field(const nlohmann::json& object, const char* key) {
+  const auto it = object.find(key);
+  return it != object.end() && it->is_string() ? &it->get_ref<const std::string&>() : nullptr;
 }
 
 }  // namespace
 
-// Why an engine whose GET /v1/models answered `body` serves none of `model` (the gateway's
-// served_model_name, the name clients send and the gateway passes on): empty when it lists it,
-// when the gateway names no model, or when the body is no model list (nothing learned). An engine
-// that serves any name is kept: said once on stderr, as an alias it will serve.
-std::string HealthMonitor::not_serving(const EndpointState& e, const std::string& body) {
-  const std::string& model = topo_.served_model_name;
-  if (model.empty()) return {};
-  const nlohmann::json doc = nlohmann::json::parse(body, nullptr, false);
-  if (!doc.is_object() || !doc.contains("data") || !doc["data"].is_array()) return {};
-  std::string listed;
-  int shown = 0;
-  for (const auto& m : doc["data"]) {
-    if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
-    const std::string& id = m["id"].get_ref<const std::string&>();
-    if (id == model) return {};
-    if (shown++ < 4) listed += (listed.empty() ? "'" : ", '") + utf8::clip(id) + "'";
+ModelListSummary read_model_list(std::string_view body, const std::string& model) {
+  ModelListSummary list;
+  nlohmann::json doc;
+  try {
+    doc = parse_untrusted_json(body);
+  } catch (const Error& e) {
+    list.unreadable = std::string("it is no JSON the gateway reads: ") + e.what();
+    return list;
   }
-  const std::string lists =
-      "its GET /v1/models lists " + (listed.empty() ? std::string("no model") : listed) +
-      (shown > 4 ? " and more" : "") + ", not the gateway's served_model_name '" + model + "'";
-  if (refuses_unknown_names(e.dialect, doc["data"]))
+  const ReleaseJsonOnExit release{doc};
+  const auto data = doc.is_object() ? doc.find("data") : doc.end();
+  if (!doc.is_object() || data == doc.end() || !data->is_array()) {
+    list.unreadable = "it has no \"data\" list";
+    return list;
+  }
+  int shown = 0;
+  for (const auto& m : *data) {
+    if (!m.is_object()) continue;
+    if (const std::string* owner = string_field(m, "owned_by"))
+      list.owned_by_refusing_server |= *owner == "tandem" || *owner == "vllm";
+    const std::string* id = string_field(m, "id");
+    if (!id) continue;
+    if (*id == model) list.lists_model = true;
+    if (shown++ < 4) list.listed += (list.listed.empty() ? "'" : ", '") + utf8::clip(*id) + "'";
+  }
+  list.more = shown > 4;
+  return list;
+}
+
+// Why an engine whose GET /v1/models answered `list` serves none of the gateway's
+// served_model_name (the name clients send and the gateway passes on): empty when it lists it,
+// when the gateway names no model or the call told nothing (nullopt), or when the answer is no
+// model list (nothing learned: said once). An engine that serves any name is kept: said once, as
+// an alias it will serve.
+std::string HealthMonitor::not_serving(const EndpointState& e,
+                                       const std::optional<ModelListSummary>& list) {
+  const std::string& model = topo_.served_model_name;
+  if (model.empty() || !list || list->lists_model) return {};
+  const std::string engine = e.config.name + " (" + address_key(e.config) + ")";
+  if (!list->unreadable.empty()) {
+    if (first_in_process("unreadable " + engine))
+      std::fprintf(stderr,
+                   "tandem gateway: engine %s: its GET /v1/models answer is no model list (%s); "
+                   "kept, its model not checked\n",
+                   engine.c_str(), list->unreadable.c_str());
+    return {};
+  }
+  const std::string lists = "its GET /v1/models lists " +
+                            (list->listed.empty() ? std::string("no model") : list->listed) +
+                            (list->more ? " and more" : "") +
+                            ", not the gateway's served_model_name '" + model + "'";
+  if (refuses_unknown_names(e.dialect, *list))
     return lists + " (each request would be refused as for an unknown model)";
-  if (warned_alias_.insert(e.id).second)
+  if (first_in_process("kept " + engine))
     std::fprintf(stderr,
                  "tandem gateway: engine %s: %s; kept: it is no Tandem or vLLM engine (dialect "
                  "%s, no owned_by \"tandem\" or \"vllm\"), and such servers (SGLang, TGI, "
                  "llama.cpp) answer a request naming any model\n",
-                 e.config.name.c_str(), lists.c_str(), dialect_name(e.dialect));
+                 engine.c_str(), lists.c_str(), dialect_name(e.dialect));
   return {};
 }
 
@@ -122,14 +167,20 @@ void HealthMonitor::ask_length(int id) {
   if (!e || e->length_query != LengthQuery::kToAsk) return;
   e->length_query = LengthQuery::kAsking;
   const Upstream::CallId call = get_whole_answer(
-      upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes, [this, id](const EngineAnswer& a) {
-        // A 4xx or a body without the field is an answer (a server that does not
-        // say); a transport error or a 5xx is none, and the next probe asks again.
+      upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes,
+      [this, id, model = topo_.served_model_name](const EngineAnswer& a) {
+        // A 4xx or a body without the field is an answer (a server that does not say), and so
+        // is a 200 too large to be a model list (nothing learned from it); a transport error or
+        // a 5xx is none, and the next probe asks again.
         std::optional<int64_t> length;
-        std::string list;  // a 200's body, read for the model on the scheduling thread
-        if (a.error.empty() && a.status == 200) {
-          length = api::max_model_len_of(a.body).value_or(0);
-          list = a.body;
+        std::optional<ModelListSummary> list;  // a 200's, read here for the model
+        if (a.too_large && a.status == 200) {
+          length = 0;
+          list.emplace().unreadable = a.error;
+        } else if (a.error.empty() && a.status == 200) {
+          if (!model.empty()) list = read_model_list(a.body, model);
+          length =
+              list && !list->unreadable.empty() ? 0 : api::max_model_len_of(a.body).value_or(0);
         } else if (a.error.empty() && a.status >= 400 && a.status < 500) {
           length = 0;
         }

@@ -6,14 +6,31 @@
 // or may (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests
 // drive both without sockets or clocks.
 #include <functional>
+#include <optional>
 #include <string>
-#include <unordered_set>
+#include <string_view>
 
 #include "gateway/endpoints.h"
 #include "gateway/seams.h"
 #include "gateway/topology.h"
 
 namespace tandem::gateway {
+
+// What an engine's GET /v1/models answer says of the gateway's model. The body is the engine's to
+// choose (deeply nested, or as large as the call allows): it is read on the io thread that
+// received it, with the bounded reader, and only this summary goes to the scheduling thread.
+struct ModelListSummary {
+  // Why the answer is no model list (the reader's error, or what it lacks); empty when it is one.
+  // Nothing is learned from such an answer: the engine is kept, as an engine that does not say.
+  std::string unreadable;
+  bool lists_model = false;  // an entry's id is the model
+  std::string listed;        // up to four of its ids, quoted and clipped, for the messages
+  bool more = false;         // it lists more than those
+  // An entry says owned_by "tandem" or "vllm": servers that refuse a model they do not list.
+  bool owned_by_refusing_server = false;
+};
+// Reads `body`, a 200 answer to GET /v1/models, for `model` (the served_model_name).
+ModelListSummary read_model_list(std::string_view body, const std::string& model);
 
 class HealthMonitor {
  public:
@@ -31,7 +48,7 @@ class HealthMonitor {
   void probe_all();
   void poll_loads();
   void ask_length(int id);
-  std::string not_serving(const EndpointState& e, const std::string& models_body);
+  std::string not_serving(const EndpointState& e, const std::optional<ModelListSummary>& list);
   net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
   // Cancels `call` at the probe timeout if it has not ended: the HTTP client bounds each piece
   // only, and a body trickled a byte at a time would keep the call (and the engine's probing or
@@ -43,8 +60,6 @@ class HealthMonitor {
   Upstream& upstream_;
   EndpointTable& endpoints_;
   std::function<void()> changed_;
-  // Engines already said to list another model but kept (they serve any name): said once each.
-  std::unordered_set<int> warned_alias_;
 };
 
 }  // namespace tandem::gateway
