@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -113,6 +114,7 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   s.dialect = pool.dialect;
   s.load_source = initial_load_source(pool.dialect);
   s.config = std::move(endpoint);
+  s.unchecked = static_cast<bool>(on_join_);
   const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
   // An engine of this name still draining gives its gauges up to the newcomer (the series are
   // the name's) and writes to a gauge of its own from now on.
@@ -135,6 +137,7 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   if (consumer) consumers_[id] = std::move(consumer);
   endpoints_.emplace(id, std::move(s));
   update_ready();
+  if (on_join_) on_join_(id);
 }
 
 EndpointState* EndpointTable::find(int id) {
@@ -167,6 +170,7 @@ bool EndpointTable::can_serve(const EndpointState& e, const std::set<int>& decod
 }
 
 int64_t EndpointTable::in_flight_limit(const EndpointState& e, Clock::time_point now) const {
+  if (e.unchecked) return 0;
   return e.readmitted == Clock::time_point{}
              ? e.max_in_flight
              : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted, topo_.health.slow_start);
@@ -243,7 +247,8 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     if (e.prefill && can_serve(e, decoding)) pairing.insert(e.config.group);
   const bool pairs = topo_.mode == PdMode::kParallel;
   for (const bool prefill : prefill_pools) {
-    int total = 0, ejected = 0, draining = 0, at_limit = 0, no_decode = 0, no_prefill = 0, busy = 0;
+    int total = 0, ejected = 0, draining = 0, unchecked = 0, at_limit = 0, no_decode = 0,
+        no_prefill = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill) continue;
       ++total;
@@ -253,6 +258,8 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
         ++ejected;
       else if (!can_serve(e, decoding))
         ++no_decode;
+      else if (e.unchecked)
+        ++unchecked;
       else if (e.in_flight >= in_flight_limit(e, now))  // a readmitted engine's ramp included
         ++at_limit;
       else if (pairs && !prefill && pairing.count(e.config.group) == 0)
@@ -268,6 +275,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     };
     part(ejected, "ejected after failing requests or health checks");
     part(draining, "draining");
+    part(unchecked, "not yet checked (new, its first health check under way)");
     part(at_limit, "at the in-flight limit");
     part(no_decode, "whose group has no eligible decode engine");
     part(no_prefill, "with no eligible prefill engine in their group to pair with");
@@ -339,15 +347,22 @@ void EndpointTable::failure(EndpointState& e, const char* what) {
   }
 }
 
+bool EndpointTable::checked(EndpointState& e) {
+  return std::exchange(e.unchecked, false);
+}
+
 bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   EndpointState* e = find(id);
   if (!e) return false;
   e->probing = false;
   if (!ok) {
+    // A new engine that fails its first probe has no model list to check: it is held no longer,
+    // and its failures decide (failures_to_eject), as for any engine.
+    const bool held = checked(*e);
     const bool was_healthy = e->healthy, was_failing = e->probe_failed;
     e->probe_failed = true;
     failure(*e, "a failed health probe");
-    return !e->healthy && (was_healthy || !was_failing);
+    return held || (!e->healthy && (was_healthy || !was_failing));
   }
   e->probe_failed = false;
   e->probe_passed = now;
@@ -386,16 +401,19 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
                                   std::string not_serving, Clock::time_point now) {
   EndpointState* e = find(id);
   if (!e || e->length_query != LengthQuery::kAsking) return false;  // readmitted: asked again
+  // Its first check ends with any answer, or none (an engine without GET /v1/models, or whose
+  // call failed, is admitted as it always was; its next probe asks again).
+  const bool held = checked(*e);
   if (!max_model_len) {
     e->length_query = LengthQuery::kToAsk;
-    return false;
+    return held;
   }
-  bool changed = false;
+  bool changed = held;
   if (!not_serving.empty()) {
     if (not_serving != e->not_serving)
       std::fprintf(stderr, "tandem gateway: engine %s (%s) ejected: %s\n", e->config.name.c_str(),
                    address_key(e->config).c_str(), not_serving.c_str());
-    changed = e->healthy;
+    changed = changed || e->healthy;
     if (e->healthy) e->ejections_total->inc();
     e->healthy = false;
     e->healthy_gauge->set(0);
@@ -636,6 +654,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"consecutive_failures", e.consecutive_failures},
             {"load_source", load_source_name(e.load_source)}};
   if (!e.not_serving.empty()) j["unhealthy_reason"] = e.not_serving;
+  if (e.unchecked) j["unchecked"] = true;
   if (!e.load_trouble.empty()) j["load_error"] = e.load_trouble;
   if (e.max_model_len > 0) j["max_model_len"] = e.max_model_len;
   if (has_events(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);

@@ -58,6 +58,13 @@ struct EndpointState {
   Dialect dialect = Dialect::kAuto;
   int64_t max_in_flight = 0;
   bool healthy = true, draining = false, probing = false;
+  // It joined once the health checks ran (an engine added or changed since the gateway started)
+  // and its first check has not ended: its health probe, and once that passed its model list.
+  // Until then its in-flight limit is 0: requests wait for it or take another engine, so an
+  // engine the check ejects (serving another model) takes no requests first. Each call of the
+  // check is cut at health.probe_timeout, so this ends within twice that of joining, whatever
+  // the engine answers (a failed probe, or a model list that is no answer, ends it too).
+  bool unchecked = false;
   // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
   // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
   bool probe_failed = false;
@@ -113,6 +120,11 @@ class EndpointTable {
 
   // Called with an engine's id when it leaves (after its drain), so policy state can forget it.
   void on_forget(std::function<void(int id)> callback) { on_forget_ = std::move(callback); }
+  // From now on an engine that joins is held out of routing until its first health check ended
+  // (EndpointState::unchecked), and `joined` gets its id (the health monitor checks it at once).
+  // Those that joined before (the topology's, as the gateway starts) take requests from the
+  // start: their first probes leave with the gateway's start, as before.
+  void check_joining_engines(std::function<void(int id)> joined) { on_join_ = std::move(joined); }
 
   // With the pool's dialect and max_in_flight as last loaded (the topology's, or a reload's).
   // Throws (changing nothing: no engine, metric series or id) when its KV-event consumer cannot
@@ -168,15 +180,17 @@ class EndpointTable {
 
   // Health probe and load poll results; true when the engine's state changed so that waiting
   // requests may now start (readmitted, or a fresher load report) or have no engine left
-  // (ejected by its probes), or an ejected engine's probes began to fail: the caller dispatches
-  // again (engines_changed).
+  // (ejected by its probes), or an ejected engine's probes began to fail, or an unchecked engine's
+  // first check ended (a failed probe, or its model list's call): the caller dispatches again
+  // (engines_changed).
   bool probe_result(int id, bool ok, Clock::time_point now);
   bool load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
                    Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a
   // 5xx), else its max_model_len (0: an answer without one), and `not_serving`, why it serves
   // none of the gateway's model (empty: it serves it, or cannot tell). An engine that does not is
-  // ejected (said on stderr); one that does again is readmitted. True when that changed it.
+  // ejected (said on stderr); one that does again is readmitted. True when that changed it, or
+  // ended an unchecked engine's first check (either way: it is no longer held).
   bool models_result(int id, std::optional<int64_t> max_model_len, std::string not_serving,
                      Clock::time_point now);
 
@@ -198,6 +212,8 @@ class EndpointTable {
  private:
   void forget(int id);
   void update_ready();
+  // Its first health check ended (EndpointState::unchecked): true when it was unchecked.
+  static bool checked(EndpointState& e);
   // Eligible again (a probe passed, or its model list names the model again).
   void readmit(EndpointState& e, Clock::time_point now);
   // Its in-flight limit at `now`: the slow-start ramp after a readmission.
@@ -233,6 +249,7 @@ class EndpointTable {
   GatewayMetrics& metrics_;
   PrefixIndex& prefix_index_;
   std::function<void(int)> on_forget_;
+  std::function<void(int)> on_join_;
   std::map<int, EndpointState> endpoints_;
   // One KV-event consumer per engine that publishes events (their threads write the index).
   std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;

@@ -122,6 +122,9 @@ HealthMonitor::HealthMonitor(const Topology& topology, Executor& executor, Upstr
       changed_(std::move(changed)) {}
 
 void HealthMonitor::start() {
+  // An engine that joins from now on is probed at once, not at the next interval: it takes no
+  // requests until that probe (and its model list) ended.
+  endpoints_.check_joining_engines([this](int id) { exec_.post([this, id] { probe(id); }); });
   probe_all();
   if (topo_.scheduling.load_interval.count() > 0) poll_loads();
 }
@@ -143,22 +146,25 @@ void HealthMonitor::bound(Upstream::CallId call) {
 }
 
 void HealthMonitor::probe_all() {
-  for (auto& [id, e] : endpoints_.all()) {
-    if (e.probing || e.draining) continue;
-    e.probing = true;
-    auto status = std::make_shared<int>(0);
-    net::AsyncHttpHandlers h;
-    h.on_head = [status](int s, const net::Headers&) { *status = s; };
-    h.on_done = [this, status, id = id](const std::string& error) {
-      const bool ok = error.empty() && *status == 200;
-      exec_.post([this, id, ok] {
-        if (endpoints_.probe_result(id, ok, exec_.now())) changed_();
-        if (ok) ask_length(id);
-      });
-    };
-    bound(upstream_.start(engine_get(e, "/health"), std::move(h)));
-  }
+  for (const auto& [id, e] : endpoints_.all()) probe(id);
   exec_.at(exec_.now() + topo_.health.probe_interval, [this] { probe_all(); });
+}
+
+void HealthMonitor::probe(int id) {
+  EndpointState* e = endpoints_.find(id);
+  if (!e || e->probing || e->draining) return;
+  e->probing = true;
+  auto status = std::make_shared<int>(0);
+  net::AsyncHttpHandlers h;
+  h.on_head = [status](int s, const net::Headers&) { *status = s; };
+  h.on_done = [this, status, id](const std::string& error) {
+    const bool ok = error.empty() && *status == 200;
+    exec_.post([this, id, ok] {
+      if (endpoints_.probe_result(id, ok, exec_.now())) changed_();
+      if (ok) ask_length(id);
+    });
+  };
+  bound(upstream_.start(engine_get(*e, "/health"), std::move(h)));
 }
 
 // GET /v1/models of an engine that passed a probe, if its longest sequence is to be asked.

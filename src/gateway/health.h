@@ -1,10 +1,11 @@
 #pragma once
 // The gateway's view of its engines over time, on the scheduling thread: a GET /health probe of
-// every engine each health.probe_interval (ejected engines are readmitted when one passes), a
-// GET /v1/models of an engine whose longest sequence is to be asked (LengthQuery) when it passes
-// one, and a GET /load poll each scheduling.load_interval of the engines that report their load
-// or may (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests
-// drive both without sockets or clocks.
+// every engine each health.probe_interval, and of an engine as it joins once the checks run
+// (ejected engines are readmitted when one passes; a new one takes requests once its first check
+// ended, EndpointState::unchecked), a GET /v1/models of an engine whose longest sequence is to be
+// asked (LengthQuery) when it passes one, and a GET /load poll each scheduling.load_interval of
+// the engines that report their load or may (dialect auto). Calls go through the Upstream seam,
+// timers through the Executor: tests drive both without sockets or clocks.
 #include <functional>
 #include <optional>
 #include <string>
@@ -46,6 +47,7 @@ class HealthMonitor {
 
  private:
   void probe_all();
+  void probe(int id);  // unless its probe runs already, or it drains
   void poll_loads();
   void ask_length(int id);
   std::string not_serving(const EndpointState& e, const std::optional<ModelListSummary>& list);

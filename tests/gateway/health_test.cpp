@@ -1,8 +1,9 @@
-// The health monitor's model check, on a virtual clock with engines whose calls the test answers:
-// an engine's GET /v1/models is read on the io thread with the bounded reader (a hostile answer is
-// no list, said why, and the engine kept as before); the line that keeps an engine serving any
-// name says its address, once per process however many gateway replicas check it. No sockets, no
-// sleeps: a timeout moves the virtual clock.
+// The health monitor's model check and new engines, on a virtual clock with engines whose calls
+// the test answers: an engine's GET /v1/models is read on the io thread with the bounded reader
+// (a hostile answer is no list, said why, and the engine kept as before); the line that keeps an
+// engine serving any name says its address, once per process however many gateway replicas
+// check it; and an engine that joins while the gateway runs takes no request before its first
+// check ended. No sockets, no sleeps: a timeout moves the virtual clock.
 #include "gateway/health.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include "api/model_list.h"
 #include "gateway/endpoints.h"
 #include "gateway/gateway_metrics.h"
+#include "gateway/policy.h"
 #include "gateway/prefix_index.h"
 #include "gateway/virtual_executor.h"
 #include "util/metrics.h"
@@ -115,6 +117,16 @@ struct Monitor {
     return -1;
   }
   const EndpointState& state(const std::string& name) const { return *endpoints.find(id_of(name)); }
+  // What a request would get of the engines now (the dispatcher's view and least-load choice).
+  Choice choice() const {
+    return policy->choose_decode(endpoints.view(clock.now(), nullptr), RequestInfo{}, -1,
+                                 clock.now());
+  }
+  int64_t limit_of(const std::string& name) const {
+    for (const auto& l : endpoints.view(clock.now(), nullptr).decode)
+      if (l.id == id_of(name)) return l.max_in_flight;
+    return -1;
+  }
   // The engine passes its probe and answers its model list.
   void checked(const std::string& name, int status, const std::string& list) {
     const std::string host = name + ".engines";
@@ -127,6 +139,7 @@ struct Monitor {
   Topology topo;
   VirtualExecutor clock;
   Engines engines;
+  std::unique_ptr<Policy> policy = make_policy("least_load");
   PrefixIndex index;
   metrics::Registry registry;
   GatewayMetrics metrics;
@@ -226,6 +239,86 @@ TEST(HealthMonitor, TheLineKeepingAnEngineThatServesAnyNameIsSaidOncePerProcessW
                       "'/models/DeepSeek-V3'"),
             std::string::npos)
       << said;
+}
+
+// ------------------------------------------------------------------------ new engines
+
+// The topology's engines take requests as the gateway starts, before any probe answered (as
+// ever); an engine that joins later is probed at once and held (an in-flight limit of 0: a
+// request waits for it rather than failing) until its model list answered. One that lists
+// another model is ejected having taken nothing; one that lists it takes requests.
+TEST(HealthMonitor, AnEngineThatJoinsTakesNoRequestBeforeItsFirstCheckEnded) {
+  Monitor m(one_engine(Dialect::kVllm));
+  EXPECT_EQ(m.limit_of("a"), 4);
+  m.health.start();
+  m.clock.run_ready();
+  EXPECT_EQ(m.limit_of("a"), 4);
+  m.checked("a", 200, list_of("m", "vllm"));
+  m.endpoints.drain(m.id_of("a"));  // the new engines are the only ones
+
+  m.endpoints.add(false, engine("wrong"));
+  m.endpoints.add(false, engine("right"));
+  EXPECT_EQ(m.limit_of("wrong"), 0);
+  EXPECT_TRUE(m.state("wrong").unchecked);
+  EXPECT_EQ(m.endpoints.to_json(m.state("wrong"), m.clock.now())["unchecked"], true);
+  EXPECT_EQ(m.choice().kind, Choice::Kind::kSaturated);  // waits, not refused
+  EXPECT_NE(m.endpoints.pools_state({false}, m.clock.now()).find("2 not yet checked"),
+            std::string::npos)
+      << m.endpoints.pools_state({false}, m.clock.now());
+  m.clock.run_ready();  // probed now, not at the next interval
+  ASSERT_EQ(m.engines.open("wrong.engines", "/health").size(), 1u);
+  ASSERT_TRUE(m.engines.answer("wrong.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  EXPECT_EQ(m.limit_of("wrong"), 0);  // its probe passed, its list is still to come
+  const int before = m.changes;
+  ASSERT_TRUE(m.engines.answer("wrong.engines", "/v1/models", 200, list_of("other", "vllm")));
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("wrong").healthy);
+  EXPECT_FALSE(m.state("wrong").unchecked);
+  EXPECT_GT(m.changes, before);                          // the waiting requests are looked at again
+  EXPECT_EQ(m.choice().kind, Choice::Kind::kSaturated);  // right is still held
+
+  m.checked("right", 200, list_of("m", "vllm"));
+  EXPECT_FALSE(m.state("right").unchecked);
+  EXPECT_EQ(m.limit_of("right"), 4);
+  const Choice c = m.choice();
+  EXPECT_EQ(c.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(c.endpoint, m.id_of("right"));
+}
+
+// The hold is bounded: whatever the engine answers, or if it does not, its first check ends
+// within two probe timeouts and today's rules decide. Without GET /v1/models (llama.cpp: 404) it
+// is admitted; a list call that never ends is cut at the probe timeout and it is admitted (asked
+// again at its next probe); a failed first probe ends the hold too (failures_to_eject decides).
+TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsAnswer) {
+  Monitor m(one_engine(Dialect::kAuto));
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "tandem"));
+
+  m.endpoints.add(false, engine("no-list"));
+  m.endpoints.add(false, engine("silent"));
+  m.endpoints.add(false, engine("down"));
+  m.clock.run_ready();
+  m.checked("no-list", 404, R"({"error": "Not Found"})");
+  EXPECT_FALSE(m.state("no-list").unchecked);
+  EXPECT_TRUE(m.state("no-list").healthy);
+  EXPECT_EQ(m.limit_of("no-list"), 4);
+
+  ASSERT_TRUE(m.engines.answer("silent.engines", "/health", 200, ""));
+  ASSERT_TRUE(m.engines.answer("down.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("down").unchecked);
+  EXPECT_TRUE(m.state("down").healthy);  // one failure of the two that eject it
+  EXPECT_EQ(m.limit_of("down"), 4);
+  ASSERT_EQ(m.engines.open("silent.engines", "/v1/models").size(), 1u);
+  EXPECT_EQ(m.limit_of("silent"), 0);
+  m.clock.advance_by(m.topo.health.probe_timeout);
+  m.clock.run_ready();
+  EXPECT_TRUE(m.engines.open("silent.engines", "/v1/models").empty());  // cut
+  EXPECT_FALSE(m.state("silent").unchecked);
+  EXPECT_EQ(m.limit_of("silent"), 4);
+  EXPECT_EQ(m.state("silent").length_query, LengthQuery::kToAsk);
 }
 
 }  // namespace
