@@ -194,7 +194,7 @@ RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
   r->method = req.method;
   r->path = req.path;
   r->target = req.target;
-  r->reply = std::move(reply);
+  set_client(*r, req, std::move(reply));  // its address, and a reply that counts body bytes
   r->id = req.headers.get("X-Request-Id");
   if (!api::usable_request_id(r->id)) r->id = random_hex(2);
   r->headers.set("X-Request-Id", r->id);

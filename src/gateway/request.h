@@ -139,6 +139,11 @@ struct Request {
   std::optional<uint64_t> cache_salt;  // TokensIn::cache_salt: folded into block_hashes
   std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
   int64_t received_unix_ms = 0;
+  // The client's IP address (net::HttpRequest::remote_address), and the response body bytes its
+  // reply was given, counted by the reply as it is answered on any thread (set_client, in
+  // request_record.h); null when its reply counts none. For the access log.
+  std::string client_address;
+  std::shared_ptr<const std::atomic<uint64_t>> body_bytes_sent;
   int priority_class = 0;  // its index in the topology's priority classes (0 without classes)
   PhaseTimes times;
 

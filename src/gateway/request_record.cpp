@@ -1,13 +1,68 @@
 #include "gateway/request_record.h"
 
+#include <atomic>
+#include <memory>
+#include <utility>
+
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
 #include "gateway/access_log.h"
 #include "util/utf8.h"
 
 namespace tandem::gateway {
 
 using nlohmann::json;
+
+namespace {
+
+// A client's reply that counts the response body bytes it takes (those a call it refused never
+// sent are not counted). Thread-safe as the reply it wraps.
+class BodyCountingReply final : public ClientReply {
+ public:
+  explicit BodyCountingReply(std::shared_ptr<ClientReply> reply) : reply_(std::move(reply)) {}
+  std::shared_ptr<const std::atomic<uint64_t>> counter() const { return bytes_; }
+
+  bool respond(int status, std::string body, std::string content_type) override {
+    const size_t size = body.size();  // before the body is moved on
+    return count(size, reply_->respond(status, std::move(body), std::move(content_type)));
+  }
+  bool send_error(int status, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    // The body the gateway's server writes for it (gateway.cpp's error_response).
+    const size_t size = api::openai_error_response(status, message, type, code).body.size();
+    return count(size, reply_->send_error(status, message, type, code));
+  }
+  bool respond_with_headers(net::HttpResponse response) override {
+    const size_t size = response.body.size();
+    return count(size, reply_->respond_with_headers(std::move(response)));
+  }
+  bool start_stream(int status, std::string content_type) override {
+    return reply_->start_stream(status, std::move(content_type));
+  }
+  bool write(std::string_view chunk) override { return count(chunk.size(), reply_->write(chunk)); }
+  bool end() override { return reply_->end(); }
+  void abort() override { reply_->abort(); }
+  void on_close(std::function<void()> callback) override { reply_->on_close(std::move(callback)); }
+
+ private:
+  bool count(size_t bytes, bool taken) {
+    if (taken) bytes_->fetch_add(bytes, std::memory_order_relaxed);
+    return taken;
+  }
+
+  std::shared_ptr<ClientReply> reply_;
+  std::shared_ptr<std::atomic<uint64_t>> bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
+};
+
+}  // namespace
+
+void set_client(Request& r, const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
+  auto counted = std::make_shared<BodyCountingReply>(std::move(reply));
+  r.body_bytes_sent = counted->counter();
+  r.client_address = req.remote_address;
+  r.reply = std::move(counted);
+}
 
 json access_log_line(const Request& r, const Topology& topo, int64_t completed_ns) {
   const int64_t received = *r.times.at(Phase::kReceived);
@@ -28,6 +83,10 @@ json access_log_line(const Request& r, const Topology& topo, int64_t completed_n
                {"prompt_tokens_estimated", !r.tokens_known},
                {"phases", r.times.offsets()},
                {"e2e_seconds", static_cast<double>(completed_ns - received) * 1e-9}};
+  // What nginx's $remote_addr and $body_bytes_sent say: who asked, and how much of an answer it
+  // was given (a stream cut short, or a client gone, gets less than the engine sent).
+  if (!r.client_address.empty()) line["client_address"] = r.client_address;
+  line["body_bytes_sent"] = r.body_bytes_sent ? r.body_bytes_sent->load() : 0;
   if (!r.model.empty()) line["model"] = utf8::clip(r.model);
   if (!r.prefill_name.empty()) line["prefill"] = r.prefill_name;
   if (!r.decode_name.empty()) line["decode"] = r.decode_name;

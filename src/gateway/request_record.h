@@ -25,6 +25,11 @@ class AccessLog;
 // The access log line of a request that ended (`completed_ns`: its end on the steady clock).
 nlohmann::json access_log_line(const Request& r, const Topology& topology, int64_t completed_ns);
 
+// Makes `reply` the reply of `r`, the request `req` from a client: r.reply counts the response
+// body bytes it is given (r.body_bytes_sent: a whole answer's, an error's, a stream's chunks),
+// and r.client_address is the client's. Io thread, before `r` reaches the scheduler.
+void set_client(Request& r, const net::HttpRequest& req, std::shared_ptr<ClientReply> reply);
+
 class RequestRecorder {
  public:
   // `log` may be null (no access log).

@@ -2,7 +2,8 @@
 // adder's lines in its order; invalid UTF-8 is replaced, not thrown; a file that cannot be opened
 // is named. A reader that does not read costs at most the cap's bytes (the rest is dropped and
 // counted) and cannot hold destruction past its deadline; failed writes are counted and said.
-// And the lines themselves: client text in them is clipped.
+// And the lines themselves: client text in them is clipped; they say the client's address and the
+// body bytes it was given.
 #include "gateway/access_log.h"
 
 #include <gtest/gtest.h>
@@ -18,14 +19,18 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "api/error.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/request_record.h"
 #include "util/bounded_wait.h"
@@ -318,6 +323,64 @@ TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
   ASSERT_EQ(state["recent"].size(), 1u);
   ASSERT_LT(state.dump().size(), size_t{2000});
   EXPECT_EQ(state["recent"][0]["model"], clipped);
+}
+
+// A client's reply that takes every call until the client is gone.
+class Client final : public ClientReply {
+ public:
+  bool gone = false;
+  bool respond(int, std::string, std::string) override { return !gone; }
+  bool send_error(int, std::string_view, std::string_view, std::string_view) override {
+    return !gone;
+  }
+  bool start_stream(int, std::string) override { return !gone; }
+  bool write(std::string_view) override { return !gone; }
+  bool end() override { return !gone; }
+  void abort() override {}
+  void on_close(std::function<void()>) override {}
+};
+
+// Each line says who asked (client_address) and how many response body bytes it was given
+// (body_bytes_sent, nginx's): a whole answer's, an error's (the OpenAI body the gateway's server
+// writes), a stream's chunks up to where the client left (a chunk it could not take is not
+// counted). A request whose reply counts nothing says 0 and no address.
+TEST(AccessLogLine, SaysTheClientsAddressAndTheBodyBytesItWasGiven) {
+  Topology topo;
+  net::HttpRequest req;
+  req.remote_address = "10.1.2.3";
+  auto line_of = [&](const Request& r) { return access_log_line(r, topo, 1'000'000); };
+  auto request = [&] {
+    auto r = std::make_unique<Request>();
+    r->times.mark(Phase::kReceived, 0);
+    set_client(*r, req, std::make_shared<Client>());
+    return r;
+  };
+
+  const auto whole = request();
+  ASSERT_TRUE(whole->reply->respond(200, std::string(1234, 'x'), "application/json"));
+  EXPECT_EQ(line_of(*whole)["client_address"], "10.1.2.3");
+  EXPECT_EQ(line_of(*whole)["body_bytes_sent"], 1234);
+
+  const auto error = request();
+  ASSERT_TRUE(error->reply->send_error(503, "no engine", "server_error", ""));
+  EXPECT_EQ(line_of(*error)["body_bytes_sent"],
+            api::openai_error_response(503, "no engine", "server_error", "").body.size());
+
+  auto client = std::make_shared<Client>();
+  Request stream;
+  stream.times.mark(Phase::kReceived, 0);
+  set_client(stream, req, client);
+  ASSERT_TRUE(stream.reply->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(stream.reply->write("data: {\"a\": 1}\n\n"));  // 16 bytes
+  ASSERT_TRUE(stream.reply->write("data: {\"b\": 2}\n\n"));
+  client->gone = true;
+  EXPECT_FALSE(stream.reply->write("data: [DONE]\n\n"));
+  EXPECT_EQ(line_of(stream)["body_bytes_sent"], 32);
+
+  Request uncounted;
+  uncounted.times.mark(Phase::kReceived, 0);
+  EXPECT_EQ(line_of(uncounted)["body_bytes_sent"], 0);
+  EXPECT_FALSE(line_of(uncounted).contains("client_address"));
 }
 
 // vllm:time_per_output_token_seconds is observed once per gap between token events, as vLLM
