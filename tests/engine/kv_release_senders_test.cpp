@@ -26,6 +26,7 @@
 
 #include "engine/transfer/kv_transfer.h"
 #include "engine/transfer/kv_transport.h"
+#include "kv_test_clock.h"
 #include "util/bounded_wait.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -54,8 +55,12 @@ class ReleaseNetwork {
   // These engines ("host:port") refuse this many messages as busy (every connection they allow
   // in use), then take them.
   std::map<std::string, int> busy_refusals;
+  // When set, the time of each message's every try (attempts()).
+  KvTestClock* clock = nullptr;
   bool refuse_as_busy(const std::string& peer) {
     std::lock_guard lock(mutex_);
+    if (clock) attempts_[peer].push_back(clock->peek());
+    changed_.notify_all();
     auto it = busy_refusals.find(peer);
     if (it == busy_refusals.end() || it->second == 0) return false;
     --it->second;
@@ -84,6 +89,17 @@ class ReleaseNetwork {
   Peaks peaks() const {
     std::lock_guard lock(mutex_);
     return peaks_;
+  }
+  // The times (`clock`) at which each engine ("host:port") was sent a message, refused or not.
+  std::vector<KvTestClock::Clock::time_point> attempts(const std::string& peer) const {
+    std::lock_guard lock(mutex_);
+    auto it = attempts_.find(peer);
+    return it == attempts_.end() ? std::vector<KvTestClock::Clock::time_point>{} : it->second;
+  }
+  // Waits until `peer` was sent `n` messages, refused or not; false when the hang guard ran out.
+  bool wait_attempts(const std::string& peer, size_t n) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, kHangGuard, [&] { return attempts_[peer].size() >= n; });
   }
   // Waits until `done` holds of the connections open now; false when the hang guard ran out.
   bool wait_until_open(const std::function<bool(const Peaks&)>& done) {
@@ -133,16 +149,20 @@ class ReleaseNetwork {
     changed_.notify_all();
   }
   void connection_ended(const std::string& host, const std::string& peer) {
-    std::lock_guard lock(mutex_);
-    --open_by_peer_[peer];
-    --open_by_host_[host];
-    --open_;
+    {
+      std::lock_guard lock(mutex_);
+      --open_by_peer_[peer];
+      --open_by_host_[host];
+      --open_;
+    }
+    changed_.notify_all();
   }
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   bool gate_open_ = true;
   std::map<std::string, std::vector<std::string>> received_, sequence_;
+  std::map<std::string, std::vector<KvTestClock::Clock::time_point>> attempts_;
   std::map<std::string, int> open_by_peer_, open_by_host_;
   int open_ = 0;
   Peaks peaks_;
@@ -426,16 +446,105 @@ TEST_F(KvReleaseSenders, OneEngineMayFillTheQueueAndOthersStillFindRoom) {
       << "not the newest message was dropped";
 }
 
-// A prefill engine that refuses a release as busy (every connection it allows in use, as when
-// it refused the room registration an abandon follows) gets it again a little later. It was
-// dropped: the hold, or the room's prefill leg, waited out the prefill engine's timeout.
-TEST_F(KvReleaseSenders, AMessageRefusedAsBusyIsSentAgain) {
-  network_.busy_refusals["10.0.6.1:7000"] = 3;
+// A client chooses the port a release goes to (remote_port): one host named on 4,112 ports fills
+// the whole queue with one message per engine, and then another host's only message was dropped,
+// since no engine's queue was longer than its would be. The victim now comes from the host with
+// the most queued: one of its messages is dropped instead.
+TEST_F(KvReleaseSenders, OneHostOnManyPortsCannotCrowdOutAnotherHostsMessage) {
+  network_.close_gate();
   auto decode = make_decode();
+  const int kFirst = 16 + 4096;  // every sender's and a full queue
+  for (int i = 0; i < kFirst; ++i)
+    decode->release_remote("10.0.8.1", uint16_t(1 + i), "prefill", "a-" + std::to_string(i),
+                           {1, 2});
+  EXPECT_EQ(dropped(), 0);
+  release(*decode, "10.0.8.2", 7000, "b");
+  EXPECT_EQ(dropped(), 1);
+  network_.open_gate();
+  EXPECT_TRUE(network_.wait_until([&](const auto& got) {
+    size_t n = 0;
+    for (const auto& [peer, messages] : got) n += messages.size();
+    return got.count("10.0.8.2:7000") && n == size_t(kFirst);
+  })) << "the other host's message was dropped";
+}
+
+// Within one host, engines share alike: once one engine filled the queue, a message to another
+// engine of its host takes the place of its newest.
+TEST_F(KvReleaseSenders, WithinAHostAnEngineWithAShorterQueueStillFindsRoom) {
+  network_.close_gate();
+  auto decode = make_decode();
+  const int kFirst = 2 + 4096;  // its 2 senders' and a full queue
+  for (int i = 0; i < kFirst; ++i)
+    decode->release_remote("10.0.9.1", 7000, "prefill", "a-" + std::to_string(i), {1, 2});
+  release(*decode, "10.0.9.1", 7001, "b-0");
+  release(*decode, "10.0.9.1", 7001, "b-1");
+  release(*decode, "10.0.9.1", 7001, "b-2");  // takes the place of the first engine's newest
+  EXPECT_EQ(dropped(), 1);
+  network_.open_gate();
+  EXPECT_TRUE(network_.wait_until([&](const auto& got) {
+    return got.count("10.0.9.1:7001") && got.at("10.0.9.1:7001").size() == 3 &&
+           got.count("10.0.9.1:7000") && got.at("10.0.9.1:7000").size() == size_t(kFirst - 1);
+  })) << "a message to the engine with the shorter queue was dropped";
+}
+
+// A prefill engine that refuses a release as busy (every connection it allows in use, as when
+// it refused the room registration an abandon follows) gets it again 100 ms later, then after
+// twice as long each time. It was dropped: the hold, or the room's prefill leg, waited out the
+// prefill engine's timeout. After 5 tries the message is dropped and counted; the count missed
+// those. The clock moves only here, once the agent has looked at it.
+TEST_F(KvReleaseSenders, AMessageRefusedAsBusyIsSentAgainLaterEachTimeUpToFiveTries) {
+  using std::chrono::milliseconds;
+  const milliseconds first_wait(100);  // kv_transfer.cpp's kBusyRetryFirst
+  KvTestClock clock;
+  network_.clock = &clock;
+  KvTransferConfig config;
+  config.now = clock.seam();
+  auto decode = make_decode(config);
+  // Waits until `peer`'s try `n` is over and the sender has read the clock for the next one's
+  // wait (a reaper's round or two pass meanwhile); false when the hang guard ran out.
+  const auto try_over = [&](const std::string& peer, size_t n) {
+    return network_.wait_attempts(peer, n) &&
+           network_.wait_until_open([](const Peaks& open) { return open.total == 0; }) &&
+           clock.wait_reads(clock.reads(), 4);
+  };
+  // Sets the clock to just before the wait after try `n` (1 ms short, then a few reaper rounds: no
+  // try), then to its end (a try), and returns that wait (0 when the try came too early or never).
+  const auto wait_after_try = [&](const std::string& peer, size_t n) {
+    using std::chrono::duration_cast;
+    EXPECT_TRUE(try_over(peer, n));
+    const auto last = network_.attempts(peer).back();
+    const milliseconds expected = first_wait * (1 << (n - 1));
+    clock.set(last + expected - milliseconds(1));
+    EXPECT_TRUE(clock.wait_reads(clock.reads(), 6));
+    if (network_.attempts(peer).size() != n) {
+      ADD_FAILURE() << "try " << n + 1 << " came before its wait of " << expected.count() << " ms";
+      return milliseconds(0);
+    }
+    clock.set(last + expected);
+    if (!network_.wait_attempts(peer, n + 1)) return milliseconds(0);
+    return duration_cast<milliseconds>(network_.attempts(peer).at(n) - last);
+  };
+
+  network_.busy_refusals["10.0.6.1:7000"] = 3;
   release(*decode, "10.0.6.1", 7000, "held");
+  for (size_t n = 1; n <= 3; ++n)
+    EXPECT_EQ(wait_after_try("10.0.6.1:7000", n), first_wait * (1 << (n - 1))) << "try " << n + 1;
   EXPECT_TRUE(network_.wait_until([](const auto& got) { return got.count("10.0.6.1:7000") > 0; }))
       << "the release refused as busy was not sent again";
   EXPECT_EQ(dropped(), 0);
+
+  // One refused every time is tried 5 times: no sixth however long the clock moves on.
+  network_.busy_refusals["10.0.6.2:7000"] = 1000;
+  release(*decode, "10.0.6.2", 7000, "refused");
+  for (size_t n = 1; n <= 4; ++n)
+    EXPECT_EQ(wait_after_try("10.0.6.2:7000", n), first_wait * (1 << (n - 1))) << "try " << n + 1;
+  EXPECT_TRUE(try_over("10.0.6.2:7000", 5));
+  clock.advance(std::chrono::minutes(10));
+  EXPECT_TRUE(clock.wait_reads(clock.reads(), 6));
+  decode.reset();  // its threads joined: the count is final
+  EXPECT_EQ(network_.attempts("10.0.6.2:7000").size(), 5u);
+  EXPECT_EQ(dropped(), 1) << "the message dropped after its last try was not counted";
+  EXPECT_EQ(network_.received().count("10.0.6.2:7000"), 0u);
 }
 
 // A thread starter that fails its first start, as a process out of threads does (std::thread

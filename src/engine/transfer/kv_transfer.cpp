@@ -55,15 +55,18 @@ constexpr size_t kMaxQueuedReleases = 4096;
 // thus leaves other machines' releases the first senders to end, and a hung engine does not hold
 // up its host-mates, while one machine alone (every engine of `tandem serve` on one host) may use
 // every sender. The queue is shared alike: one engine may fill it while it has room, and once it
-// is full a message to an engine with a shorter queue takes the place of the newest message of
-// the longest (dropped and counted); past that, the newcomer is.
+// is full a message to a host with fewer queued takes the place of the newest message of the host
+// with the most (of its longest engine; dropped and counted), and within one host, a message to
+// an engine with a shorter queue that of the longest; past that, the newcomer is dropped. Hosts
+// first, since a client chooses the port a release goes to, and one host named on a hundred ports
+// is a hundred engines.
 constexpr int64_t kMaxReleasesPerPeer = 2;
 constexpr int64_t kReleaseShareOfHost = 4;
 static_assert(kMaxReleasesPerPeer < kReleaseShareOfHost && kReleaseShareOfHost < kMaxReleases);
 // A message the prefill engine refused as busy is sent again after 100 ms, then twice as long each
 // time, up to 5 tries in all (1.5 s of waits): the abandon that follows a room registration refused
 // as busy needs a connection to that same busy engine, and dropped, the room's prefill leg waited
-// out the timeout. Past that it is dropped (the engine's timeout frees what it holds).
+// out the timeout. Past that it is dropped and counted (the engine's timeout frees what it holds).
 constexpr auto kBusyRetryFirst = std::chrono::milliseconds(100);
 constexpr int kMaxBusyRefusals = 4;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
@@ -503,7 +506,7 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
                            model),
       registry.int_counter("tandem:kv_transfer_releases_dropped_total",
                            "Decode side: messages letting a prefill engine's held KV go that were "
-                           "dropped, too many being queued, in all or for that prefill engine (it "
+                           "dropped, too many being queued or refused as busy too many times (it "
                            "frees the KV at its timeout)",
                            model)});
   if (!(config_.handshake_timeout_s > 0)) throw Error("the KV handshake timeout must be positive");
@@ -540,9 +543,13 @@ uint16_t KvTransferAgent::port() const {
   return listener_ ? listener_->port() : 0;
 }
 
+Clock::time_point KvTransferAgent::now() const {
+  return config_.now ? config_.now() : Clock::now();
+}
+
 Clock::time_point KvTransferAgent::deadline() const {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(config_.timeout_s));
+  return now() + std::chrono::duration_cast<Clock::duration>(
+                     std::chrono::duration<double>(config_.timeout_s));
 }
 
 bool KvTransferAgent::spawn(std::function<void()> body) {
@@ -733,10 +740,10 @@ void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error, boo
 
 void KvTransferAgent::reap_loop() {
   std::unique_lock lock(mutex_);
-  auto peers_checked = Clock::now();
+  auto peers_checked = now();
   while (!stopping_) {
     changed_.wait_for(lock, std::chrono::milliseconds(50));
-    const auto now = Clock::now();
+    const auto now = this->now();
     if (now - peers_checked >= std::chrono::seconds(1)) {
       // A dead prefill engine's cache, still mapped here, is freed within a second.
       peers_checked = now;
@@ -857,18 +864,18 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   // frame within the handshake timeout, its header and payload together.
   const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   conn.set_timeout(handshake);
-  conn.set_deadline(Clock::now() + handshake);
+  conn.set_deadline(now() + handshake);
   KvFrame first = config_.secret.empty() ? conn.receive(kControlLimit) : receive_first_frame(conn);
   if (!config_.secret.empty()) {
-    conn.set_deadline(Clock::now() + handshake);
+    conn.set_deadline(now() + handshake);
     std::string session;
     std::string why = authenticate_decode(conn, config_.secret, first, session);
     if (why.empty()) {
       // The request comes after its MAC: one made with this handshake's key, which only the
       // engine that made the handshake has (not a stranger relaying it).
-      conn.set_deadline(Clock::now() + handshake);
+      conn.set_deadline(now() + handshake);
       const KvFrame mac = conn.receive(kControlLimit);
-      conn.set_deadline(Clock::now() + handshake);
+      conn.set_deadline(now() + handshake);
       first = conn.receive(kControlLimit);
       if (mac.type != KvFrameType::kAuth ||
           !secrets_equal(handshake_field(handshake_json(mac), "mac"),
@@ -1097,7 +1104,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   // instead of holding the prefill leg's blocks and answer until the timeout.
   bool decode_gone = false;
   bool timed_out = false;
-  auto next_peer_check = Clock::now() + kPeerCheck;
+  auto next_peer_check = now() + kPeerCheck;
   const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
                            " closed its connection (its request ended)";
   // Under the lock (a system call that does not wait): a connection this engine shut down itself,
@@ -1173,7 +1180,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       lock.lock();
       continue;
     }
-    if (Clock::now() >= r->deadline) {
+    if (now() >= r->deadline) {
       // A decode leg that gave up too (its timeout is as long) is told apart from one still
       // waiting: the refusal below names why, as for one seen leaving between the checks.
       if (failed_if_decode_left()) break;
@@ -1185,11 +1192,13 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
                           " arrived within " + seconds_text(config_.timeout_s) + " s";
       break;
     }
-    if (const auto now = Clock::now(); now >= next_peer_check) {
+    if (const auto now = this->now(); now >= next_peer_check) {
       next_peer_check = now + kPeerCheck;
       if (failed_if_decode_left()) break;
     }
-    changed_.wait_until(lock, std::min(r->deadline, next_peer_check));
+    // For as long as this clock says (KvTransferConfig::now), at most kPeerCheck.
+    changed_.wait_for(
+        lock, std::max(Clock::duration::zero(), std::min(r->deadline, next_peer_check) - now()));
   }
   const bool ok = failure.empty();
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
@@ -1309,22 +1318,59 @@ bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
   const bool waits =
       releasing_ >= kMaxReleases || peer.sending >= kMaxReleasesPerPeer || !peer.queued.empty();
   if (waits && queued_releases_ >= kMaxQueuedReleases) {
-    ReleasePeer* longest = &peer;
-    for (auto& [name, other] : release_peers_)
-      if (other.queued.size() > longest->queued.size()) longest = &other;
-    // Its own engine's would still be as long: the newcomer is the one dropped.
-    if (longest->queued.size() <= peer.queued.size() + 1) {
+    // Hosts first: one client naming a host's ports one by one makes as many engines of it, and
+    // its messages must not crowd out another host's one. Its own host's count would still be
+    // the most: the victim is that host's longest engine's, if longer than the newcomer's would
+    // be; else the newcomer is the one dropped.
+    ReleaseHost& own = release_hosts_[r.host];
+    const auto [most, most_host] = *hosts_by_queued_.rbegin();
+    ReleaseHost& victims = most > own.queued + 1 ? release_hosts_.at(most_host) : own;
+    if (&victims == &own &&
+        (own.queued == 0 || own.peers_by_queued.rbegin()->first <= peer.queued.size() + 1)) {
       forget_idle_release_peer_locked(r.host, r.peer());
       return false;
     }
-    if (longest->queued.back().busy_refusals > 0) --deferred_releases_;
-    longest->queued.pop_back();
-    --queued_releases_;
+    const std::string victim = victims.peers_by_queued.rbegin()->second;
+    dequeue_release_locked(release_peers_.at(victim), /*newest=*/true);
     metrics_->releases_dropped.inc();
   }
-  peer.queued.push_back(std::move(r));
-  ++queued_releases_;
+  enqueue_release_locked(std::move(r));
   return true;
+}
+
+void KvTransferAgent::enqueue_release_locked(QueuedRelease r, bool at_front) {
+  const std::string name = r.peer();
+  ReleasePeer& peer = release_peers_[name];
+  ReleaseHost& host = release_hosts_[r.host];
+  if (host.queued > 0) hosts_by_queued_.erase({host.queued, r.host});
+  hosts_by_queued_.insert({++host.queued, r.host});
+  if (!peer.queued.empty()) host.peers_by_queued.erase({peer.queued.size(), name});
+  host.peers_by_queued.insert({peer.queued.size() + 1, name});
+  ++queued_releases_;
+  if (r.busy_refusals > 0) ++deferred_releases_;
+  if (at_front)
+    peer.queued.push_front(std::move(r));
+  else
+    peer.queued.push_back(std::move(r));
+}
+
+KvTransferAgent::QueuedRelease KvTransferAgent::dequeue_release_locked(ReleasePeer& peer,
+                                                                       bool newest) {
+  QueuedRelease r = std::move(newest ? peer.queued.back() : peer.queued.front());
+  const size_t was = peer.queued.size();
+  if (newest)
+    peer.queued.pop_back();
+  else
+    peer.queued.pop_front();
+  const std::string name = r.peer();
+  ReleaseHost& host = release_hosts_.at(r.host);
+  hosts_by_queued_.erase({host.queued, r.host});
+  if (--host.queued > 0) hosts_by_queued_.insert({host.queued, r.host});
+  host.peers_by_queued.erase({was, name});
+  if (was > 1) host.peers_by_queued.insert({was - 1, name});
+  --queued_releases_;
+  if (r.busy_refusals > 0) --deferred_releases_;
+  return r;
 }
 
 void KvTransferAgent::start_release_senders() {
@@ -1347,9 +1393,7 @@ void KvTransferAgent::start_release_senders() {
       --releasing_;
       --release_peers_[first->peer()].sending;
       --release_hosts_[first->host].sending;
-      ++queued_releases_;
-      if (first->busy_refusals > 0) ++deferred_releases_;  // as next_release_locked counts it
-      release_peers_[first->peer()].queued.push_front(std::move(*first));
+      enqueue_release_locked(std::move(*first), /*at_front=*/true);
       return;
     }
   }
@@ -1361,18 +1405,19 @@ void KvTransferAgent::send_releases(QueuedRelease first) {
   std::optional<QueuedRelease> next = std::move(first);
   while (next) {
     const bool busy = send_release(*next);
+    const std::string host = next->host, peer = next->peer();
     std::lock_guard lock(mutex_);
-    --release_peers_[next->peer()].sending;
-    --release_hosts_[next->host].sending;
+    --release_peers_[peer].sending;
+    --release_hosts_[host].sending;
     if (busy && next->busy_refusals < kMaxBusyRefusals && !stopping_) {
       // Behind its engine's others (in order no more: the engine refused it).
-      next->not_before = Clock::now() + kBusyRetryFirst * (1 << next->busy_refusals);
+      next->not_before = now() + kBusyRetryFirst * (1 << next->busy_refusals);
       ++next->busy_refusals;
-      ++deferred_releases_;
-      ++queued_releases_;
-      release_peers_[next->peer()].queued.push_back(std::move(*next));
+      enqueue_release_locked(std::move(*next));
+    } else if (busy && !stopping_) {
+      metrics_->releases_dropped.inc();  // refused as busy once too often
     }
-    forget_idle_release_peer_locked(next->host, next->peer());
+    forget_idle_release_peer_locked(host, peer);
     next = stopping_ ? std::nullopt : next_release_locked();
     if (!next) --releasing_;
   }
@@ -1388,16 +1433,13 @@ std::optional<KvTransferAgent::QueuedRelease> KvTransferAgent::next_release_lock
       if (it == release_peers_.end()) it = release_peers_.begin();
       ReleasePeer& peer = it->second;
       if (peer.queued.empty() || peer.sending >= kMaxReleasesPerPeer) continue;
-      if (peer.queued.front().busy_refusals > 0 && peer.queued.front().not_before > Clock::now())
+      if (peer.queued.front().busy_refusals > 0 && peer.queued.front().not_before > now())
         continue;  // the reaper looks again
       ReleaseHost& host = release_hosts_[peer.queued.front().host];
       if (!past_share && host.sending >= kReleaseShareOfHost) continue;
-      QueuedRelease next = std::move(peer.queued.front());
-      peer.queued.pop_front();
-      if (next.busy_refusals > 0) --deferred_releases_;
+      QueuedRelease next = dequeue_release_locked(peer);
       ++peer.sending;
       ++host.sending;
-      --queued_releases_;
       last_release_peer_ = it->first;
       return next;
     }
@@ -1410,8 +1452,8 @@ void KvTransferAgent::forget_idle_release_peer_locked(const std::string& host,
   if (auto it = release_peers_.find(peer);
       it != release_peers_.end() && it->second.sending == 0 && it->second.queued.empty())
     release_peers_.erase(it);
-  // A host's entry counts its senders only (next_release_locked makes one when it starts one).
-  if (auto it = release_hosts_.find(host); it != release_hosts_.end() && it->second.sending == 0)
+  if (auto it = release_hosts_.find(host);
+      it != release_hosts_.end() && it->second.sending == 0 && it->second.queued == 0)
     release_hosts_.erase(it);
 }
 
@@ -1425,13 +1467,13 @@ bool KvTransferAgent::send_release(const QueuedRelease& r) {
   // whole bound, and the release gave up at once though the prefill engine was there.
   std::optional<Clock::time_point> started;
   const auto deadline = [&] {
-    if (!started) started = Clock::now() + handshake;
+    if (!started) started = now() + handshake;
     return *started;
   };
   bool busy = false;
   try {
     conn = transport_->connect(r.host, r.port, [this, &deadline] {
-      if (Clock::now() >= deadline()) return true;
+      if (now() >= deadline()) return true;
       std::lock_guard lock(mutex_);
       return stopping_;
     });
@@ -1490,7 +1532,7 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
     try {
       frame = conn.receive(kControlLimit);
     } catch (const std::exception& e) {
-      if (Clock::now() < until) throw;
+      if (now() < until) throw;
       throw Error("the prefill of bootstrap_room " + std::to_string(f.room) +
                   " made no progress within " + seconds_text(config_.timeout_s) + " s (" +
                   std::to_string(computed) + " of its " + std::to_string(f.prompt_tokens) +
@@ -1514,7 +1556,7 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
 
 void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                                 const std::function<void(const KvFetchResult&)>& done) {
-  const auto started = Clock::now();
+  const auto started = now();
   KvFetchResult result;
   const std::string where = f.host + ":" + std::to_string(f.port);
   try {
@@ -1537,7 +1579,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     std::optional<Clock::time_point> started_handshake;
     const auto handshake_deadline = [&] {
       if (!started_handshake)
-        started_handshake = Clock::now() + milliseconds_of(config_.handshake_timeout_s);
+        started_handshake = now() + milliseconds_of(config_.handshake_timeout_s);
       return *started_handshake;
     };
     const auto unanswered = [&](const std::exception& e) {
@@ -1554,14 +1596,14 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       } catch (const KvTransferError&) {
         throw;
       } catch (const std::exception& e) {
-        if (Clock::now() >= handshake_deadline()) throw unanswered(e);
+        if (now() >= handshake_deadline()) throw unanswered(e);
         throw;
       }
     };
     std::shared_ptr<KvConnection> conn;
     try {
       conn = transport_->connect(f.host, f.port, [this, slot, &handshake_deadline] {
-        if (Clock::now() >= handshake_deadline()) return true;
+        if (now() >= handshake_deadline()) return true;
         std::lock_guard lock(mutex_);
         return slot->cancelled || stopping_;
       });
@@ -1570,7 +1612,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       std::lock_guard lock(mutex_);
       if (slot->cancelled || stopping_)
         throw NotThePrefillsFault(std::string("cancelled (") + e.what() + ")");
-      if (started_handshake && Clock::now() >= *started_handshake) throw unanswered(e);
+      if (started_handshake && now() >= *started_handshake) throw unanswered(e);
       throw;
     }
     metrics_->fetch_connections.labels({conn->kind()}).inc();
@@ -1710,7 +1752,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
   }
   metrics_->transfers.labels({"received", result.ok ? "ok" : "error"}).inc();
   if (result.ok)
-    metrics_->fetch_seconds.observe(std::chrono::duration<double>(Clock::now() - started).count());
+    metrics_->fetch_seconds.observe(std::chrono::duration<double>(now() - started).count());
   post_([done, result] { done(result); });
 }
 

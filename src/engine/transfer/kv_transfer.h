@@ -60,6 +60,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -116,6 +117,11 @@ struct KvTransferConfig {
   // Starts a thread running the given function, detached: std::thread when empty. Tests make it
   // throw std::system_error, as a process out of threads does.
   std::function<void(std::function<void()>)> start_thread;
+  // The clock that the agent's timeouts, deadlines and retry waits read: std::chrono::steady_clock
+  // when empty. Tests move it by hand. A connection still waits in real time up to the deadline
+  // it is given (KvConnection::set_deadline), so a clock that runs ahead of the real one only
+  // lets a real connection wait longer.
+  std::function<std::chrono::steady_clock::time_point()> now;
 };
 
 // Whether a decode engine with this allow list may connect to `host`: an entry equal to it, or an
@@ -265,8 +271,12 @@ class KvTransferAgent final : public KvTransfers {
   // engines of one host (as `host` names it) only while no other host's message could go: a hung
   // engine holds up only its own, a hung machine of them leaves other hosts the senders that end
   // first, and one host alone may use them all. When the queue is full, a message to an engine
-  // with a shorter queue takes the place of the newest of the longest (that one dropped). One whose
-  // sender cannot start (the process is out of threads) stays queued for the next try.
+  // with a shorter queue takes the place of the newest of the longest (that one dropped), hosts
+  // first: the newcomer's host is one with fewer queued than the host with the most, whose
+  // longest engine's newest then goes, else one of that host's own engines is longer than the
+  // newcomer's; otherwise the newcomer is dropped. One client naming many ports of one host fills
+  // only that host's share. One whose sender cannot start (the process is out of threads) stays
+  // queued for the next try. One refused as busy kMaxBusyRefusals + 1 times is dropped, counted.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
@@ -310,8 +320,14 @@ class KvTransferAgent final : public KvTransfers {
     std::string peer() const { return host + ":" + std::to_string(port); }  // the engine told
   };
   // Under mutex_: `r` waits for a sender; false when it must be dropped (too many wait), else
-  // perhaps in place of another engine's newest message (dropped and counted).
+  // perhaps in place of another engine's newest message (dropped and counted). O(log engines).
   bool queue_release_locked(QueuedRelease r);
+  struct ReleasePeer;
+  // Under mutex_: `r` joins its engine's queue (at its front: it goes first), counted in all,
+  // for its host and engine.
+  void enqueue_release_locked(QueuedRelease r, bool at_front = false);
+  // Under mutex_: the oldest (else the newest) message queued for `peer`, no longer counted.
+  QueuedRelease dequeue_release_locked(ReleasePeer& peer, bool newest = false);
   // Starts senders for queued messages while there are senders to spare and messages they may
   // take.
   void start_release_senders();
@@ -345,6 +361,7 @@ class KvTransferAgent final : public KvTransfers {
   bool spawn(std::function<void()> body);
   void worker();  // a pool thread: runs queued work until idle for kWorkerIdle, or stopping
   std::chrono::steady_clock::time_point deadline() const;
+  std::chrono::steady_clock::time_point now() const;  // KvTransferConfig::now
 
   KvTransferConfig config_;
   Executor& executor_;
@@ -382,10 +399,16 @@ class KvTransferAgent final : public KvTransfers {
   };
   struct ReleaseHost {
     int64_t sending = 0;  // senders at work on messages to its engines
+    size_t queued = 0;    // messages queued for its engines
+    // Its engines with messages queued, by their number (the longest last), and their names.
+    std::set<std::pair<size_t, std::string>> peers_by_queued;
   };
   std::map<std::string, ReleasePeer> release_peers_;            // by QueuedRelease::peer()
   std::string last_release_peer_;                               // the last one picked
   std::unordered_map<std::string, ReleaseHost> release_hosts_;  // by QueuedRelease::host
+  // Hosts with messages queued, by their number (the most last), and their names: the queue's
+  // victim when it is full comes from the last.
+  std::set<std::pair<size_t, std::string>> hosts_by_queued_;
   std::thread accept_thread_, reap_thread_;
 };
 

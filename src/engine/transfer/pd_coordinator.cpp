@@ -136,7 +136,9 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // room). Abandoned, that leg ends at once. The leg fails as any refusal's, without the busy
     // code: a gateway sends a leg again with the same KV only in sequential mode, and in parallel
     // mode would read a 503 as this engine full. (Best effort: the abandonment needs a connection
-    // of the same busy engine, and is lost if refused too.)
+    // of the same busy engine; refused as busy too, it is sent again after 100 ms, then twice as
+    // long each time, 5 tries in all, and then dropped and counted in
+    // tandem:kv_transfer_releases_dropped_total: the prefill leg waits out its timeout.)
     if (result.prefill_busy && kt.mode == KvTransferSpec::Mode::kDecodeByRoom)
       agent_.abandon_room(kt.host, kt.port, kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
                           "the decode request of bootstrap_room " + std::to_string(kt.room) +
