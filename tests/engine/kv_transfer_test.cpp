@@ -50,6 +50,7 @@
 #include "engine/transfer/kv_transport.h"
 #include "engine/transfer/shm_pieces.h"
 #include "engine/transfer/shm_ring.h"
+#include "kv_test_clock.h"
 #include "util/bounded_wait.h"
 #include "util/error.h"
 #include "util/error_of.h"
@@ -1114,6 +1115,7 @@ class KvTransferAgents : public ::testing::Test {
     p.secret = prefill_secret_;
     p.handshake_timeout_s = handshake_timeout_s_;
     p.max_rooms = prefill_max_rooms_;
+    if (prefill_on_test_clock_) p.now = clock_.seam();
     prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_,
                                                  make_transport(transport_, prefill_io_timeout_),
                                                  prefill_metrics_, queue_.post());
@@ -1140,6 +1142,7 @@ class KvTransferAgents : public ::testing::Test {
     d.handshake_timeout_s = handshake_timeout_s_;
     d.secret = decode_secret_;
     d.allow = decode_allow_;
+    if (decode_on_test_clock_) d.now = clock_.seam();
     return std::make_unique<KvTransferAgent>(d, exec, std::move(transport), registry,
                                              queue_.post());
   }
@@ -1159,6 +1162,9 @@ class KvTransferAgents : public ::testing::Test {
   size_t prefill_max_rooms_ = KvTransferConfig{}.max_rooms;
   std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
   std::chrono::milliseconds decode_io_timeout_ = 5000ms;
+  // Set before start(): which engines read clock_ (KvTransferConfig::now), not the real clock.
+  bool prefill_on_test_clock_ = false, decode_on_test_clock_ = false;
+  KvTestClock clock_;  // outlives the engines
 
   // open_room, remembering the claim for the room calls that follow.
   uint64_t open(uint64_t room, uint64_t hash, int64_t tokens, KvTransferAgent::RoomDone done) {
@@ -2214,52 +2220,167 @@ TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTime
   for (int fd : holes) ::close(fd);
 }
 
+// A peer's end of one connection, on the test clock: it sends the same frame again and again,
+// each one `pace` of that clock after the last (header and payload apart), and like a real
+// connection fails a receive that would wait past its deadline or its call's timeout. It counts
+// the frames it gave whole and those sent to it.
+class PacedPeer : public KvConnection {
+ public:
+  struct Seen {
+    std::mutex mutex;
+    std::condition_variable changed;
+    int frames_given = 0, frames_sent = 0;
+    bool closed = false;
+  };
+  PacedPeer(KvTestClock& clock, KvFrameType type, std::string payload,
+            std::chrono::milliseconds header_pace, std::chrono::milliseconds payload_pace,
+            std::shared_ptr<Seen> seen)
+      : clock_(clock),
+        type_(type),
+        payload_(std::move(payload)),
+        header_pace_(header_pace),
+        payload_pace_(payload_pace),
+        seen_(std::move(seen)) {}
+  ~PacedPeer() override {
+    {
+      std::lock_guard lock(seen_->mutex);
+      seen_->closed = true;
+    }
+    seen_->changed.notify_all();
+  }
+
+  void send(KvFrameType, std::span<const std::span<const std::byte>>) override {
+    std::lock_guard lock(seen_->mutex);
+    ++seen_->frames_sent;
+  }
+  KvFrameType receive_header(uint64_t& size, size_t) override {
+    wait(header_pace_);
+    size = payload_.size();
+    return type_;
+  }
+  void receive_payload(std::span<const std::span<std::byte>> parts) override {
+    wait(payload_pace_);
+    size_t at = 0;
+    for (const auto& part : parts) {
+      std::memcpy(part.data(), payload_.data() + at, part.size());
+      at += part.size();
+    }
+    std::lock_guard lock(seen_->mutex);
+    ++seen_->frames_given;
+  }
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void set_deadline(std::chrono::steady_clock::time_point deadline) override {
+    deadline_ = deadline;
+  }
+  void shutdown() override {}
+  bool peer_gone() override { return false; }
+  std::string peer() const override { return "127.0.0.1:1"; }
+  const char* kind() const override { return "fake"; }
+
+ private:
+  void wait(std::chrono::milliseconds pace) {
+    const auto until = kv_call_deadline(clock_.peek(), timeout_, deadline_);
+    clock_.advance(pace);
+    if (clock_.peek() > until) throw Error("timed out receiving");
+  }
+  KvTestClock& clock_;
+  const KvFrameType type_;
+  const std::string payload_;
+  const std::chrono::milliseconds header_pace_, payload_pace_;
+  std::shared_ptr<Seen> seen_;
+  std::chrono::milliseconds timeout_{std::chrono::hours(1)};
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+};
+
+// Every connection is a PacedPeer: made by connect(), or the one accept() gives before it waits
+// for close().
+class PacedTransport : public KvTransport {
+ public:
+  explicit PacedTransport(std::function<std::unique_ptr<KvConnection>()> make)
+      : make_(std::move(make)) {}
+  std::string name() const override { return "fake"; }
+  std::unique_ptr<KvListener> listen(const std::string&, uint16_t, SharedView) override {
+    return std::make_unique<Listener>(make_);
+  }
+  std::unique_ptr<KvConnection> connect(const std::string&, uint16_t, const GiveUp&) override {
+    return make_();
+  }
+
+ private:
+  class Listener : public KvListener {
+   public:
+    explicit Listener(std::function<std::unique_ptr<KvConnection>()> make)
+        : make_(std::move(make)) {}
+    std::unique_ptr<KvConnection> accept() override {
+      std::unique_lock lock(mutex_);
+      if (!given_) {
+        given_ = true;
+        return make_();
+      }
+      closed_changed_.wait(lock, [&] { return closed_; });
+      return nullptr;
+    }
+    uint16_t port() const override { return 1; }
+    void close() override {
+      {
+        std::lock_guard lock(mutex_);
+        closed_ = true;
+      }
+      closed_changed_.notify_all();
+    }
+
+   private:
+    std::function<std::unique_ptr<KvConnection>()> make_;
+    std::mutex mutex_;
+    std::condition_variable closed_changed_;
+    bool given_ = false, closed_ = false;
+  };
+  std::function<std::unique_ptr<KvConnection>()> make_;
+};
+
+// Waits until the PacedPeer that `seen` watches was closed; false when the hang guard ran out.
+bool closed(PacedPeer::Seen& seen) {
+  std::unique_lock lock(seen.mutex);
+  return seen.changed.wait_for(lock, kHangGuard, [&] { return seen.closed; });
+}
+
 // A release is bounded by the handshake timeout (1 s) as a whole: a host that answers it with a
-// frame every 400 ms, none of them the done that ends it, is left after that second. Each of
-// its receives had a timeout of its own (up to layers + 2 of them, header and payload apart),
-// so a host that kept talking held a release slot ten times as long, and 16 such hosts held
-// every release behind them.
+// frame every 400 ms, none of them the done that ends it, is left after that second, having
+// given 2 frames. Each of its receives had a timeout of its own (up to layers + 2 of them, header
+// and payload apart), so a host that kept talking held a release slot ten times as long, and 16
+// such hosts held every release behind them.
 TEST_F(KvTransferAgents, AReleaseIsBoundedByTheHandshakeTimeoutAsAWhole) {
   handshake_timeout_s_ = 1;
-  decode_io_timeout_ = 600s;
-  start();
-  auto peer = make_tcp_transport({60s});
-  auto listener = peer->listen("127.0.0.1", 0);
-  std::atomic<int> sent{0};
-  auto host = std::async(std::launch::async, [&] {
-    auto conn = listener->accept();
-    if (!conn) return;
-    try {
-      conn->receive(1 << 20);  // the release: a pull of nothing
-      for (int i = 0; i < 5 && !conn->peer_gone(); ++i) {
-        send_text(*conn, KvFrameType::kProgress, "{}");
-        ++sent;
-        std::this_thread::sleep_for(400ms);
-      }
-    } catch (const std::exception&) {
-    }
-  });
-  decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-slow", {1, 2});
-  get_within(host, kHangGuard, "the release never reached the host");
-  EXPECT_LT(sent.load(), 5) << "the release kept listening past its handshake timeout";
-  listener->close();
+  decode_on_test_clock_ = true;
+  auto seen = std::make_shared<PacedPeer::Seen>();
+  decode_ = make_decode(decode_exec_, decode_metrics_, std::make_unique<PacedTransport>([&] {
+                          return std::make_unique<PacedPeer>(clock_, KvFrameType::kProgress, "{}",
+                                                             400ms, 0ms, seen);
+                        }));
+  decode_->release_remote("127.0.0.1", 1, "prefill-9", "t-slow", {1, 2});
+  ASSERT_TRUE(closed(*seen)) << "the release never ended";
+  EXPECT_EQ(seen->frames_sent, 1) << "not the one release";
+  EXPECT_EQ(seen->frames_given, 2) << "the release kept listening past its handshake timeout";
 }
 
 // A connection's first frame arrives within the handshake timeout (1 s) as a whole: its header
 // at 0.6 s and its payload at 1.2 s is too late, and the connection closes unanswered. The
 // header and the payload each had the timeout, so the frame could take twice as long.
 TEST_F(KvTransferAgents, AFirstFrameArrivesWithinTheHandshakeTimeoutAsAWhole) {
-  handshake_timeout_s_ = 1;
-  start();
-  RawSocket slow(prefill_->port());
-  ASSERT_TRUE(slow.connected());
-  const std::string request = "{}";
-  const auto header = kv_frame_header(KvFrameType::kPull, request.size());
-  std::this_thread::sleep_for(600ms);
-  ASSERT_TRUE(slow.write(header.data(), header.size()));
-  std::this_thread::sleep_for(600ms);
-  slow.write(request.data(), request.size());
-  EXPECT_EQ(slow.next_bytes(), "") << "the late frame was read and answered";
+  KvTransferConfig p;
+  p.engine_id = "prefill-0";
+  p.port = 0;
+  p.handshake_timeout_s = 1;
+  p.now = clock_.seam();
+  auto seen = std::make_shared<PacedPeer::Seen>();
+  prefill_ = std::make_unique<KvTransferAgent>(
+      p, prefill_exec_, std::make_unique<PacedTransport>([&] {
+        return std::make_unique<PacedPeer>(clock_, KvFrameType::kPull, "{}", 600ms, 600ms, seen);
+      }),
+      prefill_metrics_, queue_.post());
+  ASSERT_TRUE(closed(*seen)) << "the slow connection was kept open";
+  EXPECT_EQ(seen->frames_given, 0);
+  EXPECT_EQ(seen->frames_sent, 0) << "the late frame was read and answered";
 }
 
 // A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once
@@ -2490,20 +2611,28 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
   EXPECT_EQ(prefill_->held_blocks(), 0);
 }
 
-// A long prompt's prefill outlasts both sides' timeouts (3 s here), but each computed chunk
-// restarts them: the decode engine still gets its KV. A room whose prefill says nothing fails.
-// The chunks come every 100 ms, however late a loaded machine wakes the test (up to 3 s).
+// A long prompt's prefill outlasts the prefill side's timeout (3 s here), but each computed
+// chunk restarts it: the decode engine still gets its KV. A room whose prefill says nothing
+// fails. Both engines read the test clock, which moves 500 ms a chunk; their connections' own
+// I/O timeouts are past the hang guard. (The decode side's restart is not seen here: a real
+// connection waits in real time, the clock an hour ahead of it.)
 TEST_F(KvTransferAgents, APrefillThatKeepsProgressingOutlastsTheTransferTimeouts) {
-  decode_io_timeout_ = 3000ms;
+  decode_timeout_s_ = 3;
+  decode_io_timeout_ = 600s;
+  prefill_io_timeout_ = 600s;
+  prefill_on_test_clock_ = decode_on_test_clock_ = true;
   start(/*prefill_timeout_s=*/3);
   RoomOutcome done, silent_done;
   ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
   ASSERT_TRUE(open(8, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(silent_done)));
   Outcome o = fetch(enter_room(7, local_, "req-long"));
   Outcome silent = fetch(enter_room(8, {10, 11, 12}, "req-silent"));
-  for (int64_t chunk = 1; chunk <= 35; ++chunk) {  // 3.5 s of prefill at least
-    std::this_thread::sleep_for(100ms);
+  for (int64_t chunk = 1; chunk <= 7; ++chunk) {  // 3.5 s of prefill
+    clock_.advance(500ms);
     prefill_->room_progress(7, claims_[7], chunk);
+    // The engines look at the clock (each room's server about every 100 ms, each reaper every
+    // 50 ms) before it moves again.
+    EXPECT_TRUE(clock_.wait_reads(clock_.reads(), 12));
   }
   prefill_->room_blocks(7, claims_[7], remote_);
   prefill_->room_layers_done(7, claims_[7], kLayout.layers);
@@ -2514,6 +2643,34 @@ TEST_F(KvTransferAgents, APrefillThatKeepsProgressingOutlastsTheTransferTimeouts
   EXPECT_TRUE(decode_exec_.data() == expected.data());
   const KvFetchResult s = wait(silent);
   EXPECT_FALSE(s.ok);
+  EXPECT_THAT(s.error, HasSubstr("the prefill of bootstrap_room 8 did not complete within 3 s"));
+}
+
+// A room that a decode engine registered times out on the prefill engine (5 s of the test
+// clock) before its prefill leg comes: the decode leg is told that no prefill request arrived, and
+// a prefill leg that comes later is refused with what happened: the room expired and its decode
+// request was failed. That leg was told the decode leg's text, "no prefill request ... arrived".
+TEST_F(KvTransferAgents, APrefillLegLateForATimedOutRoomIsToldThatItsDecodeRequestFailed) {
+  decode_timeout_s_ = 600;
+  decode_io_timeout_ = 600s;
+  prefill_on_test_clock_ = true;
+  start(5);
+  auto [id, o] = register_decode(74);
+  clock_.advance(5s);
+  const KvFetchResult r = wait(o);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("no prefill request with bootstrap_room 74 arrived within 5 s"));
+  RoomOutcome late;
+  try {
+    open(74, kv_prompt_hash(prompt_), 11, room_done(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg was failed";
+    prefill_->room_failed(74, claims_[74], "test over");
+  } catch (const KvTransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("bootstrap_room 74 expired: its decode request waited 5 s "
+                                    "for this prefill request and was failed"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("arrived")));
+    EXPECT_TRUE(e.room_abandoned);
+  }
 }
 
 TEST_F(KvTransferAgents, DifferentPromptsInOneRoomFailBothLegs) {

@@ -1208,8 +1208,13 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   // arrives rather than waiting out the timeout for a decode engine that is gone. So is one
   // that comes after the room timed out: its decode leg has been told so and waits no more.
   finish_room(room, ok, failure, decode_gone);
-  if ((decode_gone || timed_out) && !had_prefill)
-    leave_refusal(room, failure, true, hash, prompt_tokens);
+  if (decode_gone && !had_prefill) leave_refusal(room, failure, true, hash, prompt_tokens);
+  if (timed_out && !had_prefill)
+    leave_refusal(room,
+                  "bootstrap_room " + std::to_string(room) +
+                      " expired: its decode request waited " + seconds_text(config_.timeout_s) +
+                      " s for this prefill request and was failed",
+                  true, hash, prompt_tokens);
   lock.unlock();
   if (!ok && !decode_gone) send_error(conn, failure);
 }
