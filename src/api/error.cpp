@@ -4,6 +4,7 @@
 
 #include "util/error.h"
 #include "util/json.h"
+#include "util/utf8.h"
 
 namespace tandem::api {
 
@@ -56,6 +57,11 @@ net::HttpResponse openai_error_response(int status, std::string_view message, st
   r.status = status;
   r.body = openai_error_body(message, type.empty() ? default_error_type(status) : type, code);
   return r;
+}
+
+ApiError model_not_found(std::string_view model) {
+  return ApiError{404, "The model `" + utf8::clip(model) + "` does not exist.", "model",
+                  "NotFoundError", std::string(kModelNotFoundCode)};
 }
 
 std::string api_error_body(const ApiError& e) {

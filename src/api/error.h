@@ -31,6 +31,9 @@ std::optional<std::string> openai_error_code(std::string_view body);
 
 // OpenAI's code for a request naming a model the server does not serve (a 404).
 inline constexpr std::string_view kModelNotFoundCode = "model_not_found";
+// The error for a request naming `model`, which the server does not serve: a 404 with
+// kModelNotFoundCode, worded as vLLM words it (its name clipped, as a client may send any).
+ApiError model_not_found(std::string_view model);
 
 // The code of a P/D prefill leg's error when its bootstrap room's decode leg went away (a 502):
 // it ended before it registered, was refused, or left a registered room; the decode leg's own

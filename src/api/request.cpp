@@ -465,9 +465,7 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   if (!m) return limits.model_name;
   if (!m->is_string()) fail("model", "'model' must be a string");
   auto name = m->get<std::string>();
-  if (name != limits.model_name)
-    throw ApiError{404, "The model `" + utf8::clip(name) + "` does not exist.", "model",
-                   "NotFoundError", std::string(kModelNotFoundCode)};
+  if (name != limits.model_name) throw model_not_found(name);
   return name;
 }
 

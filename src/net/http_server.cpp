@@ -493,6 +493,7 @@ class ServerImpl {
   ~ServerImpl() { stop(std::chrono::milliseconds::zero()); }
 
   void route(std::string method, std::string path, Handler handler);
+  void route_prefix(std::string method, std::string prefix, Handler handler);
   void start();
   void stop(std::chrono::milliseconds flush);
   void end_flush();
@@ -538,8 +539,13 @@ class ServerImpl {
  private:
   const HttpServerOptions options_;
   const std::chrono::milliseconds max_body_time_;
+  using Methods = std::map<std::string, Handler>;  // method -> handler
+  // The routes of `path`: its own, else those of the longest prefix it is under; null if none.
+  const Methods* routes_of(const std::string& path) const;
+
   // Written before start() only, then read by every io thread.
-  std::map<std::string, std::map<std::string, Handler>> routes_;  // path -> method -> handler
+  std::map<std::string, Methods> routes_;         // path -> its routes
+  std::map<std::string, Methods> prefix_routes_;  // prefix -> the routes of the paths under it
   std::atomic<uint16_t> port_{0};
   size_t max_connections_ = 0;  // resolved at start()
   std::atomic<size_t> open_connections_{0};
@@ -1201,6 +1207,31 @@ void ServerImpl::route(std::string method, std::string path, Handler handler) {
   if (!inserted) throw Error("HttpServer::route: " + method + " " + path + " registered twice");
 }
 
+void ServerImpl::route_prefix(std::string method, std::string prefix, Handler handler) {
+  if (started_) throw Error("HttpServer::route_prefix: routes must be registered before start()");
+  if (method.empty() || prefix.empty() || prefix.front() != '/' || prefix.back() != '/') {
+    throw Error("HttpServer::route_prefix: expected a method and a prefix starting and ending " +
+                std::string("with '/', got '") + method + "' '" + prefix + "'");
+  }
+  if (!handler) throw Error("HttpServer::route_prefix: empty handler for " + method + " " + prefix);
+  auto [it, inserted] = prefix_routes_[prefix].emplace(method, std::move(handler));
+  if (!inserted)
+    throw Error("HttpServer::route_prefix: " + method + " " + prefix + " registered twice");
+}
+
+const ServerImpl::Methods* ServerImpl::routes_of(const std::string& path) const {
+  if (auto it = routes_.find(path); it != routes_.end()) return &it->second;
+  const Methods* longest = nullptr;
+  size_t longest_size = 0;
+  for (const auto& [prefix, methods] : prefix_routes_) {
+    if (path.size() > prefix.size() && path.starts_with(prefix) && prefix.size() > longest_size) {
+      longest = &methods;
+      longest_size = prefix.size();
+    }
+  }
+  return longest;
+}
+
 void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange) {
   // TRACE would echo credentials back, CONNECT would make this a tunnel; other methods are
   // unknown to the server. Routes decide about the rest (404, 405).
@@ -1210,18 +1241,18 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
     exchange->send_error(501, "Method " + request.method + " is not implemented by this server");
     return;
   }
-  auto path = routes_.find(request.path);
-  if (path == routes_.end()) {
+  const Methods* path = routes_of(request.path);
+  if (!path) {
     exchange->send_error(404, "Invalid URL (" + request.method + " " + request.path + ")");
     return;
   }
-  auto method = path->second.find(request.method);
-  if (method == path->second.end() && request.method == "HEAD") method = path->second.find("GET");
-  if (method == path->second.end()) {
+  auto method = path->find(request.method);
+  if (method == path->end() && request.method == "HEAD") method = path->find("GET");
+  if (method == path->end()) {
     std::string allowed;
-    for (const auto& [name, handler] : path->second) {
+    for (const auto& [name, handler] : *path) {
       allowed += (allowed.empty() ? "" : ", ") + name;
-      if (name == "GET" && !path->second.contains("HEAD")) allowed += ", HEAD";
+      if (name == "GET" && !path->contains("HEAD")) allowed += ", HEAD";
     }
     // A browser asks before a cross-origin POST with a JSON body: answered as Starlette's
     // CORSMiddleware answers vLLM's (the exchange adds Access-Control-Allow-Origin).
@@ -1364,6 +1395,10 @@ HttpServer::~HttpServer() {
 
 void HttpServer::route(std::string method, std::string path, Handler handler) {
   impl_->route(std::move(method), std::move(path), std::move(handler));
+}
+
+void HttpServer::route_prefix(std::string method, std::string prefix, Handler handler) {
+  impl_->route_prefix(std::move(method), std::move(prefix), std::move(handler));
 }
 
 void HttpServer::start() {

@@ -226,6 +226,10 @@ class HttpServer {
   // by the GET handler where there is no HEAD route: the client gets the head of its response
   // (status, fields, Content-Length), never the body.
   void route(std::string method, std::string path, Handler handler);
+  // Registers `handler` for `method` on every path under `prefix` (which ends with '/', e.g.
+  // "/v1/models/" for /v1/models/{id}) that has no route of its own; the longest prefix that
+  // matches wins. Methods are answered as for route(). Only before start().
+  void route_prefix(std::string method, std::string prefix, Handler handler);
 
   // Binds, listens and starts the io threads; returns once the server accepts connections.
   // Throws tandem::Error if the address cannot be bound. Only once per server.

@@ -692,6 +692,32 @@ TEST_P(GatewayFailures, AnEngineServingAnotherModelIsNotAdmitted) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+// The openai client's models.retrieve (GET /v1/models/{id}) was a 404 'Invalid URL' from the
+// gateway, which the engine answers: the model object of the list, at its id as it is and
+// percent-encoded, and another id a 404 model_not_found, as the engine answers a request naming it.
+TEST_P(GatewayFailures, TheModelIsRetrievedAtItsIdAndAnotherIdIsModelNotFound) {
+  FakeEngine engine("e");
+  auto t = topology(PdMode::kAggregated);
+  t.served_model_name = "Qwen/Qwen3-8B";
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  start(t);
+  const json listed =
+      json::parse(net::http_request("127.0.0.1", port(), "GET", "/v1/models").body)["data"][0];
+  for (const char* path : {"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B"}) {
+    const auto r = net::http_request("127.0.0.1", port(), "GET", path);
+    ASSERT_EQ(r.status, 200) << path << " " << r.body;
+    json got = json::parse(r.body);
+    EXPECT_GE(got["created"].get<int64_t>(), listed["created"].get<int64_t>());
+    got["created"] = listed["created"];  // the time of the answer
+    EXPECT_EQ(got, listed) << path;
+  }
+  const auto r = net::http_request("127.0.0.1", port(), "GET", "/v1/models/dsv3");
+  EXPECT_EQ(r.status, 404) << r.body;
+  EXPECT_EQ(api::openai_error_code(r.body), "model_not_found") << r.body;
+  EXPECT_EQ(api::openai_error_message(r.body), "The model `dsv3` does not exist.") << r.body;
+  EXPECT_EQ(engine.requests(), 0);
+}
+
 // SGLang (and TGI, llama.cpp) list their model path but serve a request naming any model: with
 // served_model_name an alias, such an engine serves it, so the model check keeps it (an sglang
 // pool, or an auto pool whose engine's list says owned_by "sglang"). A tandem pool's engine, which

@@ -790,6 +790,40 @@ TEST(HttpServer, APathIsRoutedWithItsEscapesOfUnreservedCharactersDecoded) {
   expect_openai_error(r.body, "invalid_request_error");
 }
 
+// GET /v1/models/{id}: a prefix route takes the paths under its prefix that have no route of
+// their own (the longest prefix wins); its methods are answered as an exact route's are.
+TEST(HttpServer, APrefixRouteTakesThePathsUnderItThatHaveNoRouteOfTheirOwn) {
+  HttpServer server(local_options());
+  auto echo = [](std::string who) {
+    return [who](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+      ex->respond(200, who + " " + request.path, "text/plain");
+    };
+  };
+  server.route_prefix("GET", "/v1/models/", echo("prefix"));
+  server.route_prefix("GET", "/v1/models/special/", echo("longer"));
+  server.route("GET", "/v1/models/exact", echo("exact"));
+  EXPECT_THROW(server.route_prefix("GET", "/v1/models", echo("no slash")), Error);
+  EXPECT_THROW(server.route_prefix("GET", "/v1/models/", echo("twice")), Error);
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  for (const auto& [path, body] :
+       {std::pair{"/v1/models/sim:tiny", "prefix /v1/models/sim:tiny"},
+        std::pair{"/v1/models/Qwen/Qwen3-8B", "prefix /v1/models/Qwen/Qwen3-8B"},
+        std::pair{"/v1/models/Qwen%2FQwen3-8B", "prefix /v1/models/Qwen%2FQwen3-8B"},
+        std::pair{"/v1/models/exact", "exact /v1/models/exact"},
+        std::pair{"/v1/models/special/x", "longer /v1/models/special/x"}}) {
+    const auto r = client.request("GET", path);
+    EXPECT_EQ(r.status, 200) << path;
+    EXPECT_EQ(r.body, body) << path;
+  }
+  // The prefix itself is no path under it.
+  EXPECT_EQ(client.request("GET", "/v1/models/").status, 404);
+  EXPECT_EQ(client.request("GET", "/v1/model/x").status, 404);
+  const auto r = client.request("POST", "/v1/models/x", "{}");
+  EXPECT_EQ(r.status, 405);
+  EXPECT_EQ(r.headers.get("Allow"), "GET, HEAD");
+}
+
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
   HttpServerOptions options = local_options();
   ServerLog log;
