@@ -70,14 +70,31 @@ json nth_line(const std::filesystem::path& log, size_t n) {
   return lines.size() >= n ? lines[n - 1] : json::object();
 }
 
-int64_t prefix_blocks(uint16_t gateway, const std::string& engine) {
+// The gateway's /admin/endpoints entry for `engine` (null when it has none).
+json endpoint_entry(uint16_t gateway, const std::string& engine) {
   net::Headers h;
   h.set("Authorization", "Bearer admin");
   const auto r = net::http_request("127.0.0.1", gateway, "GET", "/admin/endpoints", {}, h);
   const json all = json::parse(r.body);
   for (const auto& e : all["endpoints"])
-    if (e["name"] == engine) return e.value("prefix_blocks", int64_t{0});
-  return -1;
+    if (e["name"] == engine) return e;
+  return nullptr;
+}
+
+int64_t prefix_blocks(uint16_t gateway, const std::string& engine) {
+  const json e = endpoint_entry(gateway, engine);
+  return e.is_null() ? -1 : e.value("prefix_blocks", int64_t{0});
+}
+
+// Whether the gateway's last load report of `engine` shows it idle after each of the `steps` it has
+// run (the engine's own count): the gateway observed every step, so no report taken while one
+// ran (it would show the engine busy, which the tandem policy counts) is still to come.
+bool load_seen_idle_after(uint16_t gateway, const std::string& engine, int64_t steps) {
+  const json e = endpoint_entry(gateway, engine);
+  if (e.is_null() || !e.contains("load")) return false;
+  const json& load = e["load"];
+  return load["batch_observations"].get<int64_t>() >= steps && load["running"] == 0 &&
+         load["waiting"] == 0 && load["prefill_tokens"] == 0;
 }
 
 TEST(GatewayReplicas, TwoReplicasSendASharedPrefixToTheEngineThatHoldsIt) {
@@ -125,6 +142,15 @@ TEST(GatewayReplicas, TwoReplicasSendASharedPrefixToTheEngineThatHoldsIt) {
       const int64_t blocks = prefix_blocks(replicas[first]->port(), engine);
       return blocks > 0 && prefix_blocks(replicas[second]->port(), engine) >= blocks;
     }));
+    // And its load report after the request ended: one taken while it ran shows the engine
+    // busy, which can cost the cached prefix its advantage (both engines then near-tie).
+    const auto* holder = engine == "e0" ? &e0 : &e1;
+    const json engine_load =
+        json::parse(net::http_request("127.0.0.1", holder->process.port(), "GET", "/load").body);
+    const int64_t steps = engine_load["steps"].get<int64_t>();
+    ASSERT_TRUE(tandem::testing::eventually([&] {
+      return load_seen_idle_after(replicas[second]->port(), engine, steps);
+    })) << endpoint_entry(replicas[second]->port(), engine);
     ask(second, prompt + " and a new question");
     const json b = nth_line(dir / ("access" + std::to_string(second) + ".jsonl"), k + 1);
     EXPECT_EQ(b["decode"], engine) << "conversation " << k;
