@@ -68,7 +68,7 @@ void roll_out(std::shared_ptr<Rollout> r, size_t i) {
         r->combine(r->body, got.body);
       }
       if (i + 1 == r->replicas.size())
-        r->ex->respond(r->status, r->body.dump());
+        r->ex->respond(r->status, r->body.dump(-1, ' ', false, json::error_handler_t::replace));
       else
         roll_out(r, i + 1);
     });
@@ -193,12 +193,16 @@ void AdminApi::apply(std::shared_ptr<net::Exchange> ex, Change change, Combine c
 void AdminApi::add_routes(net::HttpServer& server) {
   server.route("GET", "/debug/requests", [this](const net::HttpRequest& req, auto ex) {
     if (!admin_key_accepted(topo_, req, *ex)) return;
-    exec_.post([this, ex] {
-      answered(*ex, [&] {
-        ex->respond(
-            200, dispatcher_.debug_requests().dump(-1, ' ', false, json::error_handler_t::replace));
-      });
-    });
+    // Every replica's requests: a connection reaches one replica, which holds its own only.
+    apply(
+        std::move(ex),
+        [](Dispatcher& dispatcher) {
+          return Applied{200, dispatcher.debug_requests(), {}};
+        },
+        [](json& first, const json& next) {
+          for (const json& r : next.at("requests")) first["requests"].push_back(r);
+          first["waiting"] = first["waiting"].get<size_t>() + next.at("waiting").get<size_t>();
+        });
   });
   server.route("GET", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
     if (!admin_key_accepted(topo_, req, *ex)) return;

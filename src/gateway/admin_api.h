@@ -67,13 +67,15 @@ class AdminApi {
   // two replicas that applied it combine into one (into the first).
   using Change = std::function<Applied(Dispatcher&)>;
   using Combine = std::function<void(nlohmann::json& first, const nlohmann::json& next)>;
+  // Applies `change` to every replica (this one alone without a set), one after the other on
+  // each one's scheduling thread, and answers `ex` once: the first refusal, or the answers
+  // combined. Also for what reads every replica (the dashboard's state).
+  void apply(std::shared_ptr<net::Exchange> ex, Change change, Combine combine);
 
  private:
   void add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
   void remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
   void reload(std::shared_ptr<net::Exchange> ex);
-  // Applies `change` to every replica (this one alone without a set) and answers `ex` once.
-  void apply(std::shared_ptr<net::Exchange> ex, Change change, Combine combine);
   size_t replica_count() const { return replicas_ ? replicas_->count() : 1; }
 
   const Topology& topo_;

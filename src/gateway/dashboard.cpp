@@ -1,13 +1,96 @@
 #include "gateway/dashboard.h"
 
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "gateway/front_end.h"
 #include "gateway/http_seams.h"
+#include "gateway/request_record.h"
 
 namespace tandem::gateway {
 
+using nlohmann::json;
+
 namespace {
+
+// `into[key]` plus `next[key]`, numbers (an absent one counts 0).
+void add(json& into, const json& next, const std::string& key) {
+  const auto n = next.find(key);
+  if (n == next.end() || !n->is_number()) return;
+  const auto i = into.find(key);
+  if (i == into.end() || !i->is_number()) {
+    into[key] = *n;
+  } else if (i->is_number_float() || n->is_number_float()) {
+    *i = i->get<double>() + n->get<double>();
+  } else {
+    *i = i->get<int64_t>() + n->get<int64_t>();
+  }
+}
+
+// `into[key]` and `next[key]`, objects of counts (by status, by class, prefix reuse), added key
+// by key.
+void add_counts(json& into, const json& next, const std::string& key) {
+  const auto n = next.find(key);
+  if (n == next.end() || !n->is_object()) return;
+  json& counts = into[key];
+  if (!counts.is_object()) counts = json::object();
+  for (const auto& [name, value] : n->items()) add(counts, *n, name);
+}
+
+void keep_max(json& into, const json& next, const std::string& key) {
+  const auto n = next.find(key);
+  if (n == next.end() || !n->is_number()) return;
+  const auto i = into.find(key);
+  if (i == into.end() || !i->is_number() || *n > *i) into[key] = *n;
+}
+
+// One engine as two replicas see it: each has its own requests on it, its own health verdict and
+// its own poll of its load.
+void merge_endpoint(json& into, const json& next) {
+  for (const char* key : {"in_flight", "max_in_flight", "uncached_tokens_in_flight"})
+    add(into, next, key);
+  keep_max(into, next, "consecutive_failures");
+  keep_max(into, next, "prefix_blocks");
+  // Ejected by one replica is news to an operator, though the others still send to it.
+  into["healthy"] = into.value("healthy", true) && next.value("healthy", true);
+  for (const char* key : {"unhealthy_reason", "load_error"})
+    if (!into.contains(key) && next.contains(key)) into[key] = next[key];
+  if (const auto load = next.find("load"); load != next.end()) {
+    const auto mine = into.find("load");
+    if (mine == into.end() || load->value("age_ms", 0.0) < mine->value("age_ms", 0.0))
+      into["load"] = *load;
+  }
+  add_counts(into, next, "reuse");
+}
+
+// An engine's entry across replicas: removed and added again at once, one name can have a
+// draining entry beside the new one.
+auto endpoint_key(const json& e) {
+  return std::tuple{e.value("name", ""), e.value("pool", ""), e.value("host", ""),
+                    e.value("port", 0), e.value("draining", false)};
+}
+
+void merge_histogram(json& into, const json& next) {
+  if (!into.is_object() || !next.is_object() ||
+      into.value("bounds", json()) != next.value("bounds", json()))
+    return;  // never so: every replica has the same buckets
+  json& cumulative = into["cumulative"];
+  const json more = next.value("cumulative", json());
+  if (!cumulative.is_array() || !more.is_array() || cumulative.size() != more.size()) return;
+  for (size_t i = 0; i < cumulative.size(); ++i)
+    cumulative[i] = cumulative[i].get<uint64_t>() + more[i].get<uint64_t>();
+  add(into, next, "sum");
+  add(into, next, "count");
+}
+
+// When a recent request ended (its line's receipt plus its time in the gateway).
+double ended_unix_ms(const json& line) {
+  return line.value("time_unix_ms", 0.0) + line.value("e2e_seconds", 0.0) * 1000.0;
+}
 
 // With an admin key, that key as a bearer token; without one, a client key when the gateway
 // has client keys (the state names every engine and the last requests, and the expert loads are
@@ -21,6 +104,41 @@ bool dashboard_key_accepted(const Topology& topo, const net::HttpRequest& req, n
 
 }  // namespace
 
+void merge_dashboard_state(json& into, const json& next) {
+  add(into, next, "waiting");
+  add(into, next, "running");
+  keep_max(into, next, "time_unix_ms");
+  json& endpoints = into["endpoints"];
+  if (!endpoints.is_array()) endpoints = json::array();
+  for (const json& e : next.value("endpoints", json::array())) {
+    const auto same = std::find_if(endpoints.begin(), endpoints.end(), [&](const json& mine) {
+      return endpoint_key(mine) == endpoint_key(e);
+    });
+    if (same == endpoints.end())
+      endpoints.push_back(e);
+    else
+      merge_endpoint(*same, e);
+  }
+  json& totals = into["totals"];
+  if (!totals.is_object()) totals = json::object();
+  if (const auto t = next.find("totals"); t != next.end() && t->is_object()) {
+    add(totals, *t, "requests");
+    for (const char* key : {"by_status", "prefix_reuse", "by_class"}) add_counts(totals, *t, key);
+  }
+  json& recent = into["recent"];
+  if (!recent.is_array()) recent = json::array();
+  for (const json& line : next.value("recent", json::array())) recent.push_back(line);
+  std::stable_sort(recent.begin(), recent.end(), [](const json& a, const json& b) {
+    return ended_unix_ms(a) < ended_unix_ms(b);
+  });
+  if (recent.size() > RequestRecorder::kRecent)
+    recent.erase(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(
+                                                      recent.size() - RequestRecorder::kRecent));
+  if (const auto h = next.find("histograms"); h != next.end() && h->is_object())
+    for (const auto& [name, histogram] : h->items())
+      if (into["histograms"].contains(name)) merge_histogram(into["histograms"][name], histogram);
+}
+
 void Dashboard::add_routes(net::HttpServer& server) {
   // The page itself carries no data: it is served to anyone, and asks for the key it needs.
   server.route("GET", "/dashboard", [](const net::HttpRequest&, auto ex) {
@@ -28,10 +146,13 @@ void Dashboard::add_routes(net::HttpServer& server) {
   });
   server.route("GET", "/dashboard/state", [this](const net::HttpRequest& req, auto ex) {
     if (!dashboard_key_accepted(topo_, req, *ex)) return;
-    exec_.post([this, ex] {
-      ex->respond(200, dispatcher_.dashboard_state().dump(
-                           -1, ' ', false, nlohmann::json::error_handler_t::replace));
-    });
+    // A connection reaches one replica, which saw only its share of the requests.
+    admin_.apply(
+        std::move(ex),
+        [](Dispatcher& dispatcher) {
+          return AdminApi::Applied{200, dispatcher.dashboard_state(), {}};
+        },
+        merge_dashboard_state);
   });
   server.route("GET", "/dashboard/expert_load", [this](const net::HttpRequest& req, auto ex) {
     if (!dashboard_key_accepted(topo_, req, *ex)) return;

@@ -5,10 +5,15 @@
 // histograms, as Dispatcher::dashboard_state builds it) and GET /dashboard/expert_load?endpoint=
 // NAME (the engine's own /expert_load, relayed). The data routes are behind the admin key when one
 // is set (the page sends the key it was opened with, /dashboard?key=KEY, as a bearer token).
+// Replicas behind one port (`tandem serve --gateways N`) show the whole stack: the state is every
+// replica's, merged (merge_dashboard_state).
 #include <memory>
 #include <string>
 #include <string_view>
 
+#include <nlohmann/json_fwd.hpp>
+
+#include "gateway/admin_api.h"
 #include "gateway/dispatcher.h"
 #include "gateway/seams.h"
 #include "gateway/topology.h"
@@ -19,11 +24,23 @@ namespace tandem::gateway {
 // The page, as built into the binary.
 std::string_view dashboard_page();
 
+// Adds the state of another replica, `next` (Dispatcher::dashboard_state), to `into`, so that the
+// page shows the stack as one gateway: the counts, totals and histograms summed, the recent
+// requests of both (the latest RequestRecorder::kRecent by their end), and each engine once, with
+// the requests every replica has on it; it is shown healthy only where every replica finds it
+// so, with the freshest load report.
+void merge_dashboard_state(nlohmann::json& into, const nlohmann::json& next);
+
 class Dashboard {
  public:
+  // `admin`: what reads every replica (AdminApi::apply).
   Dashboard(const Topology& topology, Executor& executor, Upstream& upstream,
-            Dispatcher& dispatcher)
-      : topo_(topology), exec_(executor), upstream_(upstream), dispatcher_(dispatcher) {}
+            Dispatcher& dispatcher, AdminApi& admin)
+      : topo_(topology),
+        exec_(executor),
+        upstream_(upstream),
+        dispatcher_(dispatcher),
+        admin_(admin) {}
   void add_routes(net::HttpServer& server);
 
  private:
@@ -34,6 +51,7 @@ class Dashboard {
   Executor& exec_;
   Upstream& upstream_;
   Dispatcher& dispatcher_;
+  AdminApi& admin_;
 };
 
 }  // namespace tandem::gateway

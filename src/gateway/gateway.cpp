@@ -75,7 +75,7 @@ class Gateway::Impl {
         front_end_(topo_, *executor_, upstream_, dispatcher_, endpoints_, registry_,
                    tokenizer_.get()),
         admin_(topo_, std::move(config_path), *executor_, dispatcher_, std::move(replicas)),
-        dashboard_(topo_, *executor_, upstream_, dispatcher_) {
+        dashboard_(topo_, *executor_, upstream_, dispatcher_, admin_) {
     if (tokenizer_) {
       tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
       tokenizer_->use_generation_max_tokens(topo_.generation_max_tokens,

@@ -21,6 +21,7 @@
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "gateway/admin_api.h"
+#include "gateway/dashboard.h"
 #include "gateway/fake_engine.h"
 #include "gateway/gateway.h"
 #include "model/model_test_support.h"
@@ -537,6 +538,144 @@ TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
         serve.port(), "/v1/completions", {{"model", "tiny"}, {"prompt", "hi"}, {"max_tokens", 1}});
     EXPECT_NE(after.status, 200) << after.body;
   }
+}
+
+// GET /dashboard/state as `tandem serve --gateways N` runs it: the page's poll reaches one
+// replica, whose state held its own share of the requests only (and changed with the replica a
+// new connection reached). Replicas in one AdminReplicas set answer it for the whole stack.
+TEST(GatewayReplicas, TheDashboardOfAnyReplicaShowsEveryReplicasRequests) {
+  testing::FakeEngine engine("e");
+  Topology t = in_front_of(engine, "e");
+  t.admin_api_key = "admin";
+  const auto set = std::make_shared<AdminReplicas>(2);
+  Gateway first(t, {}, set), second(t, {}, set);
+  first.start();
+  second.start();
+  const auto state = [](const Gateway& g) {
+    net::Headers h;
+    h.set("Authorization", "Bearer admin");
+    const auto r = net::http_request("127.0.0.1", g.port(), "GET", "/dashboard/state", {}, h);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return json::parse(r.body);
+  };
+  state(first);  // watched from now on: the recent requests are kept
+  for (const Gateway* g : {&first, &second, &second}) {
+    const auto r = tandem::testing::post_json(g->port(), "/v1/completions",
+                                              {{"model", "m"}, {"prompt", "hi"}});
+    ASSERT_EQ(r.status, 200) << r.body;
+  }
+  for (const Gateway* g : {&first, &second}) {
+    json s;
+    // (A request is recorded on its scheduling thread just after its answer went out.)
+    EXPECT_TRUE(tandem::testing::eventually([&] {
+      s = state(*g);
+      return s["totals"]["requests"] == 3 && s["recent"].size() == 3;
+    })) << s.dump();
+    EXPECT_EQ(s["totals"]["by_status"], (json{{"200", 3}}));
+    EXPECT_EQ(s["histograms"]["e2e"]["count"], 3);
+    ASSERT_EQ(s["endpoints"].size(), 1u) << s["endpoints"];
+    EXPECT_EQ(s["endpoints"][0]["name"], "e");
+    EXPECT_EQ(s["endpoints"][0]["in_flight"], 0);
+    EXPECT_EQ(s["endpoints"][0]["max_in_flight"], 2 * t.decode.max_in_flight);
+  }
+}
+
+// GET /debug/requests listed the requests of the replica the call reached only. In one
+// AdminReplicas set, either replica lists both replicas' requests.
+TEST(GatewayReplicas, TheRequestsInFlightOfAnyReplicaListEveryReplicas) {
+  testing::FakeEngine engine("held");
+  engine.set(testing::Behaviour::kHold);
+  Topology t = in_front_of(engine, "held");
+  t.admin_api_key = "admin";
+  const auto set = std::make_shared<AdminReplicas>(2);
+  Gateway first(t, {}, set), second(t, {}, set);
+  first.start();
+  second.start();
+  std::vector<std::future<int>> clients;
+  for (const Gateway* g : {&first, &second})
+    clients.push_back(std::async(std::launch::async, [port = g->port()] {
+      return net::http_request("127.0.0.1", port, "POST", "/v1/completions",
+                               R"({"model": "m", "prompt": "hi"})", {}, std::chrono::seconds(60))
+          .status;
+    }));
+  ASSERT_TRUE(tandem::testing::eventually([&] { return engine.held() == 2; }));
+  for (const Gateway* g : {&first, &second}) {
+    net::Headers h;
+    h.set("Authorization", "Bearer admin");
+    const auto r = net::http_request("127.0.0.1", g->port(), "GET", "/debug/requests", {}, h);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const json listed = json::parse(r.body);
+    EXPECT_EQ(listed["requests"].size(), 2u) << listed;
+    EXPECT_EQ(listed["waiting"], 0) << listed;
+  }
+  engine.release();
+  for (auto& c : clients) EXPECT_EQ(c.get(), 200);
+}
+
+// Two replicas' states, as the dashboard merges them: counts, totals and histograms summed, one
+// entry per engine (requests on it summed; healthy only where both find it so; the fresher load
+// report), the recent requests of both in the order they ended.
+TEST(GatewayReplicas, TwoDashboardStatesMergeIntoTheStacks) {
+  const json hist = {{"bounds", {0.1, 1.0}}, {"cumulative", {1, 2, 3}}, {"sum", 1.5}, {"count", 3}};
+  json a = {{"mode", "aggregated"},
+            {"time_unix_ms", 1000},
+            {"waiting", 1},
+            {"running", 2},
+            {"endpoints",
+             {{{"name", "e"},
+               {"pool", "decode"},
+               {"host", "h"},
+               {"port", 1},
+               {"draining", false},
+               {"healthy", true},
+               {"in_flight", 2},
+               {"max_in_flight", 4},
+               {"consecutive_failures", 0},
+               {"uncached_tokens_in_flight", 10},
+               {"load", {{"running", 5}, {"age_ms", 90.0}}},
+               {"reuse", {{"requests", 1}, {"prompt_tokens", 10}, {"delivered", 4}}}}}},
+            {"totals",
+             {{"requests", 3},
+              {"by_status", {{"200", 2}, {"429", 1}}},
+              {"prefix_reuse", {{"requests", 1}, {"prompt_tokens", 10}}}}},
+            {"recent",
+             {{{"request_id", "a1"}, {"time_unix_ms", 100}, {"e2e_seconds", 0.5}},
+              {{"request_id", "a2"}, {"time_unix_ms", 300}, {"e2e_seconds", 0.1}}}},
+            {"histograms", {{"e2e", hist}}}};
+  json b = a;
+  b["time_unix_ms"] = 2000;
+  b["endpoints"][0]["healthy"] = false;
+  b["endpoints"][0]["unhealthy_reason"] = "2 failures in a row";
+  b["endpoints"][0]["consecutive_failures"] = 2;
+  b["endpoints"][0]["load"] = {{"running", 7}, {"age_ms", 10.0}};
+  b["endpoints"].push_back({{"name", "f"}, {"pool", "decode"}, {"healthy", true}});
+  b["totals"]["by_status"] = {{"200", 1}, {"503", 4}};
+  b["recent"] = {{{"request_id", "b1"}, {"time_unix_ms", 200}, {"e2e_seconds", 0.05}}};
+  merge_dashboard_state(a, b);
+  EXPECT_EQ(a["time_unix_ms"], 2000);
+  EXPECT_EQ(a["waiting"], 2);
+  EXPECT_EQ(a["running"], 4);
+  EXPECT_EQ(a["mode"], "aggregated");
+  ASSERT_EQ(a["endpoints"].size(), 2u) << a["endpoints"];
+  const json& e = a["endpoints"][0];
+  EXPECT_EQ(e["in_flight"], 4);
+  EXPECT_EQ(e["max_in_flight"], 8);
+  EXPECT_EQ(e["uncached_tokens_in_flight"], 20);
+  EXPECT_EQ(e["healthy"], false);
+  EXPECT_EQ(e["unhealthy_reason"], "2 failures in a row");
+  EXPECT_EQ(e["consecutive_failures"], 2);
+  EXPECT_EQ(e["load"]["running"], 7);
+  EXPECT_EQ(e["reuse"], (json{{"requests", 2}, {"prompt_tokens", 20}, {"delivered", 8}}));
+  EXPECT_EQ(a["endpoints"][1]["name"], "f");
+  EXPECT_EQ(a["totals"]["requests"], 6);
+  EXPECT_EQ(a["totals"]["by_status"], (json{{"200", 3}, {"429", 1}, {"503", 4}}));
+  EXPECT_EQ(a["totals"]["prefix_reuse"], (json{{"requests", 2}, {"prompt_tokens", 20}}));
+  std::vector<std::string> order;
+  for (const json& line : a["recent"]) order.push_back(line["request_id"]);
+  EXPECT_EQ(order, (std::vector<std::string>{"b1", "a2", "a1"}));  // ended at 250, 400, 600
+  EXPECT_EQ(a["histograms"]["e2e"]["cumulative"], (json{2, 4, 6}));
+  EXPECT_EQ(a["histograms"]["e2e"]["count"], 6);
+  EXPECT_EQ(a["histograms"]["e2e"]["sum"], 3.0);
 }
 
 }  // namespace
