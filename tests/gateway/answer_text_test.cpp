@@ -100,6 +100,7 @@ TEST(AnswerText, CachedTokensAreRewrittenWhereTheyAreRead) {
 
 TEST(AnswerText, ErrorEventsAndTokenEventsAreToldApart) {
   EXPECT_TRUE(is_error_event(api::openai_error_body("KV transfer failed", "server_error")));
+  EXPECT_FALSE(carries_tokens(api::openai_error_body("KV transfer failed", "server_error")));
   const std::string chunk =
       R"({"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"error"}]})";
   EXPECT_FALSE(is_error_event(chunk));

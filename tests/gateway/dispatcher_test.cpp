@@ -132,6 +132,12 @@ class FakeEngines final : public Upstream {
   static bool piece(Call& c, const std::string& bytes) {
     return !c.handlers.on_body || c.handlers.on_body(bytes);
   }
+  // The engine's stream: `events` (whole SSE text), then the call ends as the real client ends
+  // it: "cancelled" when the gateway's on_body cut it, else by itself.
+  static void stream(Call& c, const std::string& events) {
+    head(c, 200, "text/event-stream");
+    finish(c, piece(c, events) ? "" : "cancelled");
+  }
   static void finish(Call& c, const std::string& error) {
     if (c.done) return;
     c.done = true;
@@ -1063,6 +1069,156 @@ TEST(Dispatcher, ATokenizingGatewayThatKnowsNoLengthLeavesItToTheEngines) {
     EXPECT_EQ(client->status, 400);
     EXPECT_EQ(client->body, refusal);
   }
+}
+
+// ------------------------------------------------------------- the client's error in a stream
+//
+// A client's mistake that an engine finds only once generation starts (a mask that leaves no
+// token: allowed_token_ids with min_tokens, or with a JSON format) comes as a stream's error event
+// of type invalid_request_error, under the stream's 200. It is the client's error as the engine's
+// 400 answer is (docs/gateway.md): answered 400 before the client's stream began, and never
+// counted against the engine. And a stream's error event is no token event (output_events, ITL).
+
+// What a Tandem engine streams when sampling finds no token the request's masks allow
+// (generation_api.cpp Call::fail for a 400): its error event, then [DONE].
+const std::string kNoTokenError = api::openai_error_body(
+    "generation failed: no token can be sampled: 'allowed_token_ids', 'min_tokens' exclude every "
+    "token",
+    "invalid_request_error");
+const std::string kNoTokenStream = net::sse_event(kNoTokenError) + std::string(net::kSseDone);
+
+const std::string kTokenEvent = net::sse_event(R"({"choices":[{"index":0,"text":"t"}]})");
+
+// Engines a and b (decode; p1, p2 prefill in the P/D modes), one failure ejects an engine, and
+// a failed attempt is retried once: a blamed engine would show, and so would a retry.
+Topology two_engines_each_ejected_at_one_failure(PdMode mode) {
+  Topology t = mode == PdMode::kAggregated
+                   ? aggregated({engine("a"), engine("b")})
+                   : disaggregated(mode, {engine("p1"), engine("p2")}, {engine("a"), engine("b")});
+  t.health.failures_to_eject = 1;
+  t.prefill_retries = 1;
+  return t;
+}
+
+// Every engine of the cluster is in, with no failure counted.
+void expect_no_engine_blamed(const Cluster& c) {
+  const json all = c.dispatcher.endpoints_json();
+  for (const auto& e : all.at("endpoints")) {
+    EXPECT_EQ(e.at("healthy"), true) << e;
+    EXPECT_EQ(e.at("consecutive_failures"), 0) << e;
+  }
+}
+
+// The answering leg's first event is the client's error: the client gets a 400 with the engine's
+// error, the request is not retried, and no engine is blamed or ejected.
+TEST(Dispatcher, AnInvalidRequestErrorAsAStreamsFirstEventIsTheClients400) {
+  for (const PdMode mode : {PdMode::kAggregated, PdMode::kSequential, PdMode::kParallel}) {
+    SCOPED_TRACE(static_cast<int>(mode));
+    Cluster c(two_engines_each_ejected_at_one_failure(mode));
+    auto client = c.send(true);
+    if (mode == PdMode::kSequential) {  // the prefill answers with the prompt's KV
+      FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200,
+                          R"({"choices":[],"kv_transfer_params":{"remote_block_ids":[]}})");
+      c.clock.run_ready();
+    }
+    std::shared_ptr<FakeEngines::Call> answering;
+    for (const auto& l : c.engines.open("/v1/completions"))
+      if (host_of(*l) == "a") answering = l;
+    ASSERT_TRUE(answering);
+    FakeEngines::stream(*answering, kNoTokenStream);
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 400);
+    EXPECT_EQ(client->body, kNoTokenError);
+    EXPECT_FALSE(client->streaming);
+    EXPECT_TRUE(client->complete());
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+    EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
+    expect_no_engine_blamed(c);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
+// Parallel mode streams the prefill leg too, for a streaming client: its first event being the
+// client's error answers the client 400 as the decode leg's would, without retry or blame.
+TEST(Dispatcher, AParallelPrefillLegsInvalidRequestErrorIsTheClients400) {
+  Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kParallel));
+  auto client = c.send(true);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  FakeEngines::stream(*legs[0], kNoTokenStream);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 400);
+  EXPECT_EQ(client->body, kNoTokenError);
+  EXPECT_TRUE(legs[1]->cancelled);  // the decode leg is given up
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  expect_no_engine_blamed(c);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// An engine's own failure as a stream's first event is retried on another engine and counted
+// against the failed one. vLLM's and SGLang's stream generators send theirs (a CUDA out-of-memory,
+// a dead engine core) as {"type": "BadRequestError", "code": 400}: that is the engine's failure
+// too, not the client's 400.
+TEST(Dispatcher, AnEnginesFailureAsAStreamsFirstEventIsRetriedAndBlamedWhateverItsCode) {
+  const std::string vllm_error =
+      R"({"error":{"message":"EngineCore encountered an issue","type":"BadRequestError","param":null,"code":400}})";
+  for (const std::string& error :
+       {vllm_error, api::openai_error_body("generation failed: boom", "server_error")}) {
+    SCOPED_TRACE(error);
+    Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+    auto client = c.send(true);
+    auto first = c.engines.open("/v1/completions").at(0);
+    ASSERT_EQ(host_of(*first), "a");
+    FakeEngines::stream(*first, net::sse_event(error) + std::string(net::kSseDone));
+    c.clock.run_ready();
+    ASSERT_NO_FATAL_FAILURE(expect_retried_on_b(c, *client));
+    EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  }
+}
+
+// After the client's stream began, the client's error is relayed as the stream's error event
+// (the client's stream ends as the engine ended it) but is no failure of the engine's.
+TEST(Dispatcher, AnInvalidRequestErrorMidStreamIsRelayedButNotCountedAgainstTheEngine) {
+  Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+  c.dispatcher.dashboard_state();  // the dashboard is open: the requests' records are kept
+  auto client = c.send(true);
+  const std::string events = kTokenEvent + kNoTokenStream;
+  FakeEngines::stream(*c.engines.open("/v1/completions").at(0), events);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(client->streamed, events);
+  EXPECT_TRUE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), 400) << record;
+  expect_no_engine_blamed(c);
+}
+
+// A stream that fails after 3 token events: its error event is no output event, and the time
+// to it no gap between tokens.
+TEST(Dispatcher, AStreamsErrorEventIsNoTokenEvent) {
+  Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+  c.dispatcher.dashboard_state();  // the dashboard is open: the requests' records are kept
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*call, kTokenEvent + kTokenEvent + kTokenEvent));
+  c.clock.advance_by(std::chrono::seconds(5));
+  ASSERT_TRUE(FakeEngines::piece(
+      *call, net::sse_event(api::openai_error_body("generation failed: boom", "server_error")) +
+                 std::string(net::kSseDone)));
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  ASSERT_TRUE(client->complete());
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), 502) << record;
+  EXPECT_EQ(record.value("output_events", -1), 3) << record;
+  EXPECT_EQ(c.metric("vllm:inter_token_latency_seconds_count"), 2);
+  EXPECT_EQ(c.metric("vllm:inter_token_latency_seconds_sum"), 0);
 }
 
 // ------------------------------------------------------------------------------- timeouts
