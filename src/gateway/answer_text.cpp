@@ -254,7 +254,7 @@ EngineError read_engine_error(std::string_view body) {
   return {false, quoted_error_text(body)};
 }
 
-int client_error_status(std::string_view error_event) {
+int error_event_status(std::string_view error_event) {
   // An error object is a few hundred bytes; a larger event is no client's error of an engine's.
   constexpr size_t kMaxErrorObjectBytes = size_t{64} << 10;
   if (error_event.size() > kMaxErrorObjectBytes) return 0;
@@ -262,6 +262,9 @@ int client_error_status(std::string_view error_event) {
   if (!doc.is_object()) return 0;
   const auto error = doc.find("error");
   if (error == doc.end() || !error->is_object()) return 0;
+  if (const auto code = error->find("code");
+      code != error->end() && (*code == 429 || *code == "rate_limit_exceeded"))
+    return 429;
   // Only OpenAI's type says so. A 4xx code is no evidence: vLLM's and SGLang's stream generators
   // send their own failures (a CUDA out-of-memory, a dead engine core) as {"type":
   // "BadRequestError", "code": 400}.

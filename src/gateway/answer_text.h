@@ -52,12 +52,15 @@ EngineError read_engine_error(std::string_view body);
 // Of one streamed event's data: an OpenAI error object (checked on a stream's first event, which
 // decides whether the request can still be retried elsewhere).
 bool is_error_event(std::string_view data);
-// Of a stream's error event (is_error_event): the status of the client's error it reports, or 0
-// when it reports the engine's failure. A client's error is one an engine finds only once
-// generation starts (masks that leave no token), and which it can only send in its stream: the
-// type "invalid_request_error" (Tandem's engines: 400). vLLM's and SGLang's streams say
-// {"type": "BadRequestError", "code": 400} for their own failures too, so that is the engine's.
-int client_error_status(std::string_view error_event);
+// Of a stream's error event (is_error_event): the status of the answer it stands for when that is
+// no failure of the engine's, or 0 when it reports the engine's failure. A client's error is one
+// an engine finds only once generation starts (masks that leave no token), and which it can only
+// send in its stream: the type "invalid_request_error" (Tandem's engines: 400). A rate limit
+// (code 429, or OpenAI's "rate_limit_exceeded"; vLLM and SGLang send it only as a status, but an
+// engine behind a proxy may stream it) is a refusal, as a 429 answer is: 429. vLLM's and SGLang's
+// streams say {"type": "BadRequestError", "code": 400} for their own failures too, so that is the
+// engine's.
+int error_event_status(std::string_view error_event);
 // Of one streamed event's data: a chunk that carries tokens (for TTFT and ITL), not [DONE], the
 // usage chunk ("choices":[]) or an error event.
 bool carries_tokens(std::string_view data);

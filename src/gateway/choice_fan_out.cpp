@@ -285,6 +285,7 @@ bool ChoiceMerger::write(size_t i, std::string_view chunk) {
   {
     std::lock_guard lock(mutex_);
     PartData& p = parts_.at(i);
+    if (p.state == PartState::kEndedByError) return true;
     if (outcome_ != Outcome::kOpen || p.state != PartState::kStreaming) return false;
     p.parser.feed(chunk, [&](std::string_view data) {
       if (outcome_ == Outcome::kOpen) forward_event(i, data, later);
@@ -308,8 +309,11 @@ void ChoiceMerger::forward_event(size_t i, std::string_view data,
   }
   if (event.contains("error")) {  // this choice failed mid-stream: so did the answer
     end_with_error(std::string(data));
-    abandon(i, 502);
-    p.state = PartState::kFailed;
+    // As its own request's relay records it: the client's error (or a refusal) with its status,
+    // else the engine's failure.
+    const int status = error_event_status(data);
+    abandon(i, status > 0 ? status : 502);
+    p.state = PartState::kEndedByError;
     later = take_callbacks(i);
     return;
   }

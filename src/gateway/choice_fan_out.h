@@ -59,8 +59,9 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   // The client has its answer, or an error, or is gone: requests not started yet need not be.
   bool ended() const;
   // Why the unfinished choices were let go, when a choice failed: the status the client got
-  // for it (502 for a stream cut after its 200). None while open, once complete, or when the
-  // client left.
+  // for it (for a stream that failed after its 200: its error event's, as the relay reads it
+  // (error_event_status: the client's 400, a refusal's 429), else 502). None while open, once
+  // complete, or when the client left.
   struct Failure {
     int status = 0;
     size_t choice = 0;
@@ -74,6 +75,10 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
     kStreaming,  // its stream runs
     kDone,       // answered whole, or its stream ended with [DONE]
     kFailed,     // refused, or its stream failed or was cut
+    // Its stream's own error event ended the client's (the answer failed with it): the rest of
+    // its stream (its [DONE]) is taken and dropped, so that its request ends as that error says,
+    // not as one whose client left.
+    kEndedByError,
   };
   enum class Outcome {
     kOpen,       // choices still to come

@@ -67,6 +67,12 @@ bool may_stream(const Request& r) {
   return false;
 }
 
+// An engine's client error (4xx): the client's to fix, answered without retry. A 429 is none but
+// the engine being full, as its 503.
+bool is_client_error(int status) {
+  return status >= 400 && status < 500 && status != 429;
+}
+
 // Whether `group` has eligible decode engines in `v` and every one is at its in-flight limit: no
 // policy's decode rule (each includes that limit) takes a prompt there now.
 bool decode_full(const ClusterView& v, int group) {
@@ -663,10 +669,21 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
         r->record_pending = false;
         recorder_.record(*r, exec_.now_ns());
       }
+      bool blame_source = kv_source_failed;
+      // Parallel mode: a leg whose pair's other leg ended with the client's error failed of that
+      // error (Request::client_error_attempt), as far as the gateway can tell: neither its engine
+      // nor (its KV transfer failing) the prefill engine is blamed.
+      const bool failed = outcome == LegOutcome::kFailed || outcome == LegOutcome::kTimedOut;
+      if (topo_.mode == PdMode::kParallel && (failed || blame_source)) {
+        std::lock_guard lock(r->mutex);
+        if (r->client_error_attempt == leg->attempt) {
+          if (failed) outcome = LegOutcome::kCancelled;
+          blame_source = false;
+        }
+      }
       // One failure of the attempt's prefill engine counts once, whichever leg tells first.
       const bool prefill_failed =
           leg->prefill && (outcome == LegOutcome::kFailed || outcome == LegOutcome::kTimedOut);
-      bool blame_source = kv_source_failed;
       if (prefill_failed || blame_source) {
         if (r->prefill_blamed_attempt == leg->attempt) {
           if (prefill_failed) outcome = LegOutcome::kCancelled;  // told by its decode leg
@@ -740,6 +757,10 @@ void Dispatcher::prefill_engine_failed(int endpoint_id, Clock::time_point since)
 void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                             std::string body, std::string message, Blame blame,
                             std::string retry_after) {
+  if (topo_.mode == PdMode::kParallel && is_client_error(status)) {
+    std::lock_guard lock(r->mutex);
+    r->client_error_attempt = attempt;
+  }
   exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
                       message = std::move(message), blame,
                       retry_after = std::move(retry_after)]() mutable {
@@ -793,7 +814,9 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // An engine's own client error (4xx) goes to the client, without retry; anything else is retried
 // on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
-// retried alike, and once retries are spent answered with its own status. An engine's error
+// retried alike, and once retries are spent answered with its own status. Parallel mode: one
+// leg's client error decides its attempt, whatever its other leg did
+// (Request::client_error_attempt). An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
 // another decode engine with the same kv_transfer_params (its KV is known to be held still); one
@@ -808,11 +831,17 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
                                 std::string body, std::string message, Blame blame,
                                 std::string retry_after) {
   if (attempt != r->attempt) return;
+  const bool client_error = status >= 400 && status < 500;
+  const bool retryable = !is_client_error(status);
   std::vector<Upstream::CallId> calls;
   {
     // Checked and cancelled under one lock: no leg of this attempt can start the stream after.
     std::lock_guard lock(r->mutex);
     if (r->client != ClientState::kNothingSent) return;
+    // Parallel mode: the other leg of this attempt ended with the client's error, whose report
+    // follows this one (leg_failed) and answers the client: whichever leg told first, the client
+    // gets its error, with no retry.
+    if (retryable && r->client_error_attempt == attempt) return;
     calls = mark_legs_cancelled(*r);
   }
   cancel_calls(calls);
@@ -820,9 +849,7 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     answer_shutting_down(r);
     return;
   }
-  const bool client_error = status >= 400 && status < 500;
   const bool sequential_decode = topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode;
-  const bool retryable = !client_error || status == 429;
   // What the failed attempt's engine said goes to the access log, and the next attempt begins.
   auto begin_next_attempt = [&] {
     const EndpointState* e = endpoints_.find(endpoint_id);

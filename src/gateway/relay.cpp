@@ -181,9 +181,12 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
   }
   if (!error_event.empty()) {
     l.body = {};
-    // The client's error, found once generation started: answered as the engine's 4xx answer
-    // is, to the client without retry, and no fault of the engine's.
-    if (const int status = client_error_status(error_event); status > 0) {
+    // The client's error, or the engine's refusal (a rate limit), found once generation started:
+    // answered as the engine's 4xx answer or its 429 is (the client's error to the client without
+    // retry; a refusal retried elsewhere), and no fault of the engine's. The leg's outcome is that
+    // status's (a 429: the engine is full).
+    if (const int status = error_event_status(error_event); status > 0) {
+      l.status = status;
       dispatcher_.leg_failed(r, attempt, endpoint_id, status, error_event, {});
       return;
     }
@@ -275,12 +278,15 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     if (l.state != LegState::kRelaying) {
       if (error_event) {  // failed before any token: the client has seen nothing
         l.body = std::string(data);
-        // The client's error (relay_done answers it) is no fault of the engine's: the rest of
+        // The client's error or the engine's refusal (relay_done answers it, as the status it
+        // stands for, which is the leg's outcome too) is no fault of the engine's: the rest of
         // its stream is cut by the gateway's choice.
-        if (client_error_status(data) > 0)
+        if (const int status = error_event_status(data); status > 0) {
+          l.status = status;
           l.gateway_cancelled = true;
-        else
+        } else {
           l.engine_error = true;
+        }
         refused = true;
         return;
       }
@@ -300,8 +306,8 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     } else if (error_event) {
       // The engine failed after the client got tokens (our engines and vLLM then send an error
       // event and [DONE]): relayed as it came, but the request failed, and so did the engine,
-      // unless the error is the client's.
-      if (client_error_status(data) == 0) l.engine_error = true;
+      // unless the error is the client's (or a refusal).
+      if (error_event_status(data) == 0) l.engine_error = true;
       if (l.body.empty()) l.body = std::string(data);
     }
     if (carries_tokens(data)) {
@@ -441,9 +447,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       outcome.error =
           "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body);
     } else if (!l.body.empty()) {
-      // The client's error in an error event (relay_piece), then [DONE]: the client has both as
-      // they came, and the request failed as the client's, not the engine's.
-      outcome.status = client_error_status(l.body);
+      // The client's error (or a refusal) in an error event (relay_piece), then [DONE]: the
+      // client has both as they came, and the request failed as the client's, not the engine's.
+      outcome.status = error_event_status(l.body);
       outcome.error = "engine " + where +
                       " refused the request: " + api::openai_error_message(l.body).value_or(l.body);
     }
@@ -512,9 +518,10 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     return;
   }
   if (!l.engine_error && l.streaming && !l.body.empty()) {
-    // A stream that began with the client's error (relay_piece): answered as the engine's 4xx
-    // answer is, with the engine's error, to the client without retry or blame.
-    const int status = client_error_status(l.body);  // read before the body moves
+    // A stream that began with the client's error or a refusal (relay_piece): answered as the
+    // engine's 4xx answer or its 429 is, with the engine's error (the client's error to the client
+    // without retry; a refusal retried elsewhere), without blame.
+    const int status = error_event_status(l.body);  // read before the body moves
     dispatcher_.leg_failed(r, attempt, endpoint_id, status, std::move(l.body), {});
     return;
   }

@@ -459,9 +459,10 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithItsErrorThenDone) {
   ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
   ASSERT_TRUE(a->write(chunk("cmpl-y-0", "A1")));
   // The engine's own end of a failed stream (and the gateway's tail for a cut one): an error
-  // event, then [DONE], which the client gets once.
+  // event, then [DONE], which the client gets once. The failed choice's [DONE] is taken (and
+  // dropped), so that its request ends as its error says, not as one whose client left.
   ASSERT_TRUE(b->write(net::sse_event(api::openai_error_body("engine died", "server_error"))));
-  EXPECT_FALSE(b->write(net::kSseDone));
+  EXPECT_TRUE(b->write(net::kSseDone));
   EXPECT_FALSE(b->end());
   EXPECT_TRUE(client->complete);
   EXPECT_EQ(a_closed, 1);

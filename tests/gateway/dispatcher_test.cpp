@@ -353,7 +353,8 @@ class Cluster {
   // One client request for `count` choices as the P/D modes serve it (FrontEnd::receive_choices):
   // a request per choice, each answering through one ChoiceMerger to the one client, submitted
   // together; a choice let go because another failed ends with that failure.
-  std::shared_ptr<FakeClient> send_choices(size_t count, const std::string& key = {}) {
+  std::shared_ptr<FakeClient> send_choices(size_t count, const std::string& key = {},
+                                           bool stream = false) {
     auto client = std::make_shared<FakeClient>();
     clients_.push_back(client);
     const auto merger = ChoiceMerger::create(client, count, count);
@@ -362,7 +363,7 @@ class Cluster {
       net::HttpRequest req;
       req.method = "POST";
       req.target = req.path = "/v1/completions";
-      req.body = json{{"model", "m"}, {"prompt", "hello there"}}.dump();
+      req.body = json{{"model", "m"}, {"prompt", "hello there"}, {"stream", stream}}.dump();
       if (!key.empty()) req.headers.set("Authorization", "Bearer " + key);
       if (RequestPtr r = front_end.prepare(req, merger->reply(i))) group.push_back(std::move(r));
     }
@@ -1219,6 +1220,116 @@ TEST(Dispatcher, AStreamsErrorEventIsNoTokenEvent) {
   EXPECT_EQ(record.value("output_events", -1), 3) << record;
   EXPECT_EQ(c.metric("vllm:inter_token_latency_seconds_count"), 2);
   EXPECT_EQ(c.metric("vllm:inter_token_latency_seconds_sum"), 0);
+}
+
+// Parallel mode: a prefill engine that refuses the client's request (a 400, or the client's error
+// as its stream's first event) leaves its decode engine waiting for a room never filled, whose leg
+// then fails too, naming no code, at about the same time (and the other way round). Whichever leg
+// tells first, the client's error decides the attempt: the client gets its 400, nothing is
+// retried, and neither engine is counted failed. The decode engine's 502 told first was retried
+// and blamed it (ejected here).
+TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsFailureWhicheverTellsFirst) {
+  const std::string codeless =
+      R"({"error":{"message":"bootstrap room 7 failed","type":"server_error"}})";
+  const std::string too_long =
+      R"({"error":{"message":"the prompt is too long","type":"invalid_request_error"}})";
+  for (const bool stream : {false, true})
+    for (const bool prefill_refuses : {true, false})
+      for (const bool refusal_first : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "stream " << stream << ", prefill refuses "
+                                        << prefill_refuses << ", refusal first " << refusal_first);
+        Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kParallel));
+        auto client = c.send(stream);
+        auto legs = c.engines.open("/v1/completions");
+        ASSERT_EQ(legs.size(), 2u);
+        ASSERT_EQ(host_of(*legs[0]), "p1");
+        FakeEngines::Call& refusing = *legs[prefill_refuses ? 0 : 1];
+        FakeEngines::Call& failing = *legs[prefill_refuses ? 1 : 0];
+        auto refuse = [&] {
+          if (stream)
+            FakeEngines::stream(refusing, kNoTokenStream);
+          else
+            FakeEngines::answer(refusing, 400, too_long);
+        };
+        if (refusal_first) refuse();
+        FakeEngines::answer(failing, 502, codeless);
+        if (!refusal_first) refuse();
+        c.clock.run_ready();
+        EXPECT_EQ(client->status, 400);
+        EXPECT_EQ(client->body, stream ? kNoTokenError : too_long);
+        EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+        EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+        EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
+        expect_no_engine_blamed(c);
+        EXPECT_EQ(c.dispatcher.active(), 0u);
+      }
+}
+
+// n > 1: a choice whose stream fails after the client's stream began ends the merged stream with
+// its error event, and every choice's request is recorded as that error says: the client's 400
+// (no engine blamed), or the engine's failure, 502. The failing choice was recorded 499 (its
+// [DONE] after the error was refused as by a client gone) and the others 502 whatever the error.
+TEST(Dispatcher, AChoicesMidStreamErrorIsRecordedForEveryChoiceAsItsErrorSays) {
+  const std::pair<std::string, int> cases[] = {
+      {kNoTokenError, 400},
+      {api::openai_error_body("generation failed: boom", "server_error"), 502}};
+  for (const auto& [error, status] : cases) {
+    SCOPED_TRACE(status);
+    Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+    auto client = c.send_choices(2, {}, true);
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    for (const auto& l : legs) {
+      FakeEngines::head(*l, 200, "text/event-stream");
+      ASSERT_TRUE(FakeEngines::piece(*l, kTokenEvent));
+    }
+    ASSERT_TRUE(FakeEngines::piece(*legs[1], net::sse_event(error)));
+    const bool done_taken = FakeEngines::piece(*legs[1], std::string(net::kSseDone));
+    FakeEngines::finish(*legs[1], done_taken ? "" : "cancelled");
+    c.clock.run_ready();
+    EXPECT_TRUE(done_taken);
+    EXPECT_TRUE(legs[0]->cancelled);
+    EXPECT_TRUE(client->complete());
+    const std::string tail = net::sse_event(error) + std::string(net::kSseDone);
+    ASSERT_GE(client->streamed.size(), tail.size());
+    EXPECT_EQ(client->streamed.substr(client->streamed.size() - tail.size()), tail);
+    EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"" + std::to_string(status) + "\"}"),
+              2);
+    EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"499\"}"), 0);
+    EXPECT_EQ(c.endpoint(host_of(*legs[0]))["consecutive_failures"], 0);
+    EXPECT_EQ(c.endpoint(host_of(*legs[1]))["consecutive_failures"], status == 502 ? 1 : 0);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
+// A rate limit an engine streams under its 200 (code 429, or OpenAI's rate_limit_exceeded: vLLM
+// and SGLang send it only as a status, but an engine behind a proxy may stream it) is a refusal,
+// as a 429 answer is: retried elsewhere and not counted toward the engine's ejection; once retries
+// are spent the client gets that 429 with the engine's error. It was the engine's failure.
+TEST(Dispatcher, ARateLimitAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
+  const std::string limited =
+      R"({"error":{"message":"rate limit reached","type":"requests","code":429}})";
+  const std::string exceeded =
+      R"({"error":{"message":"rate limit reached","type":"requests","code":"rate_limit_exceeded"}})";
+  Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+  auto client = c.send(true);
+  auto first = c.engines.open("/v1/completions").at(0);
+  ASSERT_EQ(host_of(*first), "a");
+  FakeEngines::stream(*first, net::sse_event(limited) + std::string(net::kSseDone));
+  c.clock.run_ready();
+  const auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "b");
+  EXPECT_FALSE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  FakeEngines::stream(*retry[0], net::sse_event(exceeded) + std::string(net::kSseDone));
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(client->body, exceeded);
+  EXPECT_FALSE(client->streaming);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"429\"}"), 1);
+  expect_no_engine_blamed(c);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // ------------------------------------------------------------------------------- timeouts
