@@ -814,9 +814,9 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // An engine's own client error (4xx) goes to the client, without retry; anything else is retried
 // on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
-// retried alike, and once retries are spent answered with its own status. Parallel mode: one
-// leg's client error decides its attempt, whatever its other leg did
-// (Request::client_error_attempt). An engine's error
+// retried alike, and once retries are spent answered with its own status (a 503 too whatever its
+// body, with the engine's Retry-After). Parallel mode: one leg's client error decides its
+// attempt, whatever its other leg did (Request::client_error_attempt). An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
 // another decode engine with the same kv_transfer_params (its KV is known to be held still); one
@@ -929,7 +929,9 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // As in the first section: between the two, another leg may have begun answering.
     if (r->client != ClientState::kNothingSent) return;
     r->client = ClientState::kAnswering;
-    if (!client_error && !relay) status = 502;
+    // An error the gateway quotes is the engine's failure, 502, unless it was a refusal: a 503
+    // stays one (with its Retry-After below), whatever body it came with (a proxy's page, text).
+    if (!client_error && !relay && status != 503) status = 502;
     // The engine's refusal (429, 503) keeps its Retry-After: when to come back is its to say.
     if ((status == 429 || status == 503) && !retry_after.empty()) {
       net::HttpResponse response =
@@ -962,12 +964,18 @@ bool Dispatcher::only_tried_engines_left(const Request& r, int endpoint_id) cons
   const std::set<int> decoding = endpoints_.decoding_groups();
   const int group =
       topo_.mode == PdMode::kSequential && r.stage == Stage::kDecode ? r.prefill_group : -1;
-  for (const auto& [id, e] : endpoints_.all())
-    if (e.prefill == refused->prefill && EndpointTable::can_serve(e, decoding) &&
-        (group < 0 || e.config.group == group) &&
-        std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end())
-      return false;
-  return true;
+  auto all_tried = [&](bool prefill) {
+    for (const auto& [id, e] : endpoints_.all())
+      if (e.prefill == prefill && EndpointTable::can_serve(e, decoding) &&
+          (group < 0 || e.config.group == group) &&
+          std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end())
+        return false;
+    return true;
+  };
+  // A parallel retry is a pair: it goes back to an engine tried where either pool has no other,
+  // whichever of the two refused (a decode engine still full, behind a fresh prefill engine).
+  if (topo_.mode == PdMode::kParallel) return all_tried(true) || all_tried(false);
+  return all_tried(refused->prefill);
 }
 
 void Dispatcher::enqueue_at(const RequestPtr& r, Clock::time_point due) {

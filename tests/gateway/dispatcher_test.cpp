@@ -981,6 +981,111 @@ TEST(Dispatcher, EachRefusalBackoffWaitsLongerThanTheOneBefore) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// Parallel mode: a retry is a pair, so it goes back to an engine that refused where either pool
+// has no other. After its one decode engine refused, a prefill engine's refusal is retried after
+// the backoff too, though another prefill engine is untried: the pair would meet the decode
+// engine's full queue again. Only the refusing engine's pool was judged: sent at once.
+TEST(Dispatcher, AParallelRetryWaitsTheBackoffWhereEitherPoolHasOnlyEnginesThatRefused) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  Topology t = disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d")});
+  t.prefill_retries = 2;
+  t.retry_backoff.first = milliseconds(40);
+  t.retry_backoff.max = milliseconds(400);
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[1]), "d");
+  FakeEngines::refuse(*legs[1], 429, full, "3");
+  c.clock.run_ready();
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back to d";
+  c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
+  legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u) << "not sent after the first backoff";
+  const std::string refusing = host_of(*legs[0]);
+  FakeEngines::refuse(*legs[0], 503, full, "3");  // now the prefill engine is full
+  c.clock.run_ready();
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent at once to d, which refused";
+  c.clock.advance_by(milliseconds(80));  // the second backoff is at most 80 ms
+  legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u) << "not sent after the second backoff";
+  EXPECT_NE(host_of(*legs[0]), refusing);
+  EXPECT_EQ(host_of(*legs[1]), "d");
+  c.answer_all("after the backoffs");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// Sequential mode: a decode engine's refusal starts the request again from its prefill (the
+// refusing engine read the request, and may have let go of the KV). The restart judges the decode
+// pool: with another decode engine untried it goes at once; with none, it waits the backoff, as
+// its decode leg would meet the same full queue.
+TEST(Dispatcher, ASequentialDecodeRefusalRestartsAfterTheBackoffOnlyWhereNoDecodeEngineIsLeft) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  const std::string prefilled = R"({"choices":[],"kv_transfer_params":{"remote_block_ids":[]}})";
+  for (const bool another_decode_engine : {false, true}) {
+    SCOPED_TRACE(another_decode_engine);
+    std::vector<Endpoint> decode = {engine("d1")};
+    if (another_decode_engine) decode.push_back(engine("d2"));
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, decode);
+    t.prefill_retries = 1;
+    t.retry_backoff.first = milliseconds(40);
+    t.retry_backoff.max = milliseconds(400);
+    Cluster c(t);
+    auto client = c.send();
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, prefilled);
+    c.clock.run_ready();
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 1u);
+    ASSERT_EQ(host_of(*legs[0]), "d1");
+    FakeEngines::refuse(*legs[0], 429, full, "3");
+    c.clock.run_ready();
+    if (!another_decode_engine) {
+      EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back to d1";
+      c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
+    }
+    legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 1u) << "no restart";
+    EXPECT_EQ(host_of(*legs[0]), "p");
+    FakeEngines::answer(*legs[0], 200, prefilled);
+    c.clock.run_ready();
+    legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 1u);
+    EXPECT_EQ(host_of(*legs[0]), another_decode_engine ? "d2" : "d1");
+    c.answer_all("decoded");
+    EXPECT_EQ(client->status, 200);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
+// An engine's 503 whose body is no OpenAI error (a proxy's page, plain text) is a refusal still:
+// once retries are spent the client gets a 503 (the gateway's own OpenAI error quoting the body)
+// with the engine's Retry-After. It got a 502 without it, as for a failed engine.
+TEST(Dispatcher, AnEnginesRefusalWhoseBodyIsNoOpenAIErrorStaysA503WithItsRetryAfter) {
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  auto client = c.send();
+  FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 503, "Service Unavailable", "7");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 503);
+  EXPECT_EQ(client->retry_after, "7");
+  EXPECT_EQ(client->error_type, "server_error");
+  EXPECT_EQ(client->error_message, "engine a answered HTTP 503: Service Unavailable");
+
+  auto without = c.send();
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 503, "Service Unavailable",
+                      "text/plain");
+  c.clock.run_ready();
+  EXPECT_EQ(without->status, 503);
+  EXPECT_EQ(without->retry_after, "");
+  EXPECT_EQ(without->error_type, "server_error");
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"503\"}"), 2);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A request of several choices answered by its parts (ChoiceMerger) keeps the refusing engine's
 // Retry-After too.
 TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
