@@ -73,6 +73,12 @@ bool is_client_error(int status) {
   return status >= 400 && status < 500 && status != 429;
 }
 
+// What a waiting request holds of bodies (DispatcherOptions::max_queued_body_bytes): set before
+// it reaches the scheduler, then read-only.
+size_t body_bytes(const Request& r) {
+  return r.body.size() + r.prefill_body.size();
+}
+
 // Whether `group` has eligible decode engines in `v` and every one is at its in-flight limit: no
 // policy's decode rule (each includes that limit) takes a prompt there now.
 bool decode_full(const ClusterView& v, int group) {
@@ -99,7 +105,7 @@ std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
 
 Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream,
                        const Policy& policy, EndpointTable& endpoints, GatewayMetrics& metrics,
-                       AccessLog* access_log)
+                       AccessLog* access_log, DispatcherOptions options)
     : topo_(topology),
       exec_(executor),
       upstream_(upstream),
@@ -107,6 +113,7 @@ Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& u
       endpoints_(endpoints),
       metrics_(metrics),
       relay_(topology, executor, *this),
+      options_(options),
       recorder_(metrics, access_log, topology) {
   endpoints_.on_forget([this](int id) {
     policy_state_.prefill_tree.remove_tenant(id);
@@ -160,6 +167,20 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
                             std::to_string(topo_.max_queue);
     for (const RequestPtr& r : group) answer_error(r, 400, why);
     return;
+  }
+  // Past the byte bound: refused before make_room, which would shed lower classes' requests for
+  // a place that would not admit these.
+  if (options_.max_queued_body_bytes > 0 && !waiting_.empty()) {
+    size_t bytes = 0;
+    for (const RequestPtr& r : group)
+      if (!r->ended()) bytes += body_bytes(*r);
+    if (queued_body_bytes_ + bytes > options_.max_queued_body_bytes) {
+      const std::string why = "the gateway queue is full (" + std::to_string(queued_body_bytes_) +
+                              " bytes of request bodies waiting, max_queued_body_bytes " +
+                              std::to_string(options_.max_queued_body_bytes) + "); retry later";
+      for (const RequestPtr& r : group) answer_overload(r, 429, why);
+      return;
+    }
   }
   const std::string refused = make_room(arriving_class);
   bool queued = false;
@@ -275,6 +296,7 @@ void Dispatcher::enqueue(const RequestPtr& r, bool front) {
     waiting_.push_front(r);
   else
     waiting_.push_back(r);
+  queued_body_bytes_ += body_bytes(*r);
   publish_counts();
   // Its queue timeout is armed by dispatch() if it is still waiting after the pass that
   // follows: most requests start at once, and a timer armed and cancelled per request costs.
@@ -318,7 +340,9 @@ std::string Dispatcher::pools_state(const Request& r) const {
 }
 
 void Dispatcher::remove_waiting(const RequestPtr& r) {
-  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), r), waiting_.end());
+  const auto gone = std::remove(waiting_.begin(), waiting_.end(), r);
+  if (gone != waiting_.end()) queued_body_bytes_ -= body_bytes(*r);
+  waiting_.erase(gone, waiting_.end());
   r->booking = Booking::kRunning;
   exec_.cancel(r->queue_timer);
   r->queue_timer = {};

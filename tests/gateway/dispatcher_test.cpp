@@ -290,12 +290,13 @@ std::string completion_answer(const std::string& text) {
 class Cluster {
  public:
   // `tokenizer`: the front end tokenizes with it, as with a model folder.
-  explicit Cluster(Topology topology, const PromptTokenizer* tokenizer = nullptr)
+  explicit Cluster(Topology topology, const PromptTokenizer* tokenizer = nullptr,
+                   DispatcherOptions options = {})
       : topo(std::move(topology)),
         policy(make_policy(topo.policy, policy_options(topo))),
         metrics(registry),
         endpoints(topo, metrics, index),
-        dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),
+        dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr, options),
         health(topo, clock, engines, endpoints, [this] { dispatcher.engines_changed(); }),
         front_end(topo, clock, engines, dispatcher, endpoints, registry, tokenizer) {
     for (const auto& e : topo.prefill.endpoints) endpoints.add(true, e);
@@ -1553,6 +1554,34 @@ TEST(Dispatcher, OverloadAnswersCarryRetryAfterAndANonClientType) {
   EXPECT_EQ(timed_out->status, 503);
   EXPECT_EQ(timed_out->error_type, "server_error");
   EXPECT_EQ(timed_out->retry_after, "1");
+}
+
+// The queue is bounded in bytes too (DispatcherOptions::max_queued_body_bytes): an arrival whose
+// body would take the waiting bodies past the bound gets 429 as at a full queue, though max_queue
+// has places; a place freed admits the next. A gateway holding many 8 MiB bodies ran out of memory.
+TEST(Dispatcher, AnArrivalPastTheQueuesByteBoundGets429) {
+  const size_t body =
+      json{{"model", "m"}, {"prompt", "hello there"}, {"stream", false}}.dump().size();
+  Topology t = aggregated({engine("a", 0, 1)});
+  Cluster c(t, nullptr, DispatcherOptions{2 * body});
+  auto running = c.send();
+  auto first = c.send(), second = c.send();
+  EXPECT_EQ(c.dispatcher.waiting(), 2u);
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(refused->retry_after, "1");
+  EXPECT_EQ(refused->error_code, "rate_limit_exceeded");
+  EXPECT_NE(refused->error_message.find("max_queued_body_bytes " + std::to_string(2 * body)),
+            std::string::npos)
+      << refused->error_message;
+  c.answer_all();  // `first` starts
+  EXPECT_EQ(running->status, 200);
+  auto admitted = c.send();
+  EXPECT_FALSE(admitted->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 2u);
+  for (int i = 0; i < 3; ++i) c.answer_all();
+  EXPECT_EQ(admitted->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
