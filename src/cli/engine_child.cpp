@@ -192,7 +192,8 @@ void EngineChild::terminate() {
 void EngineChild::wait_until(Clock::time_point deadline) {
   if (!process_) return;
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  process_->stop(std::max(left, std::chrono::milliseconds(0)));
+  // terminate() signalled it: a second SIGTERM would tell a draining engine to cut its requests.
+  process_->wait_or_kill(std::max(left, std::chrono::milliseconds(0)));
 }
 
 }  // namespace tandem::cli

@@ -72,9 +72,9 @@ class EngineChild {
   // starting one SIGKILL: it has nothing to shut down yet (on SIGTERM it would exit at once),
   // and one that hangs or is stopped (SIGSTOP) would never act on SIGTERM, holding serve.
   void terminate();
-  // Waits for the engine to end until `deadline`, then kills it (SIGKILL): one that does not act
-  // on SIGTERM (stopped, frozen, hung) must not hold serve's shutdown. One deadline for every
-  // engine: N hung engines cost one grace period, not N.
+  // Waits for the engine to end until `deadline` (sending nothing: terminate() has), then kills
+  // it (SIGKILL): one that does not act on SIGTERM (stopped, frozen, hung) must not hold serve's
+  // shutdown. One deadline for every engine: N hung engines cost one grace period, not N.
   void wait_until(Clock::time_point deadline);
 
  private:

@@ -123,8 +123,12 @@ std::optional<int> ChildProcess::exited() {
 }
 
 int ChildProcess::stop(std::chrono::milliseconds grace) {
+  if (pid_ > 0) kill(pid_, SIGTERM);
+  return wait_or_kill(grace);
+}
+
+int ChildProcess::wait_or_kill(std::chrono::milliseconds grace) {
   if (pid_ <= 0) return status_;
-  kill(pid_, SIGTERM);
   int st = 0;
   const auto until = std::chrono::steady_clock::now() + grace;
   pid_t got = 0;

@@ -38,6 +38,9 @@ class ChildProcess {
   // otherwise hold its parent's shutdown forever); returns the exit status (128 + signal when
   // killed by one). Idempotent.
   int stop(std::chrono::milliseconds grace = kStopGrace);
+  // stop() without its SIGTERM, for a caller that has signalled the child itself: a second
+  // SIGTERM is, to a server draining after the first, the order to cut the drain short.
+  int wait_or_kill(std::chrono::milliseconds grace);
   static constexpr std::chrono::milliseconds kStopGrace{30'000};
 
  private:

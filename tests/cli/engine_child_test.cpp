@@ -145,6 +145,36 @@ TEST(EngineChild, ARunningEngineThatIgnoresTheStopIsKilledAtTheDeadline) {
   EXPECT_EQ(::kill(pid, 0), -1) << "still there: state " << process_state(pid);
 }
 
+// At serve's stop a running engine gets one SIGTERM and the rest of the grace to drain. A second
+// one (ChildProcess::stop's, after terminate()'s) is an engine's order to cut its drain: every
+// Ctrl-C of serve printed "the requests left are cut", and an --engine-arg=--shutdown-timeout
+// was cut short. This engine drains until a second SIGTERM comes (the deadline's SIGKILL ends
+// it otherwise).
+TEST(EngineChild, ARunningEngineGetsOneStopSignalAndItsGraceToDrain) {
+  const StopSignals signals;
+  const std::filesystem::path seen = test::temp_path("engine-stop-signals");
+  const auto args = [f = seen.string()](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "n=0; trap 'n=$((n+1)); echo TERM >> \"$1\"' TERM; "
+        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role both'; while [ $n -lt 2 ]; do sleep 0.01 & wait $!; done",
+        "sh", f};
+  };
+  const auto signals_seen = [&] {
+    std::ifstream in(seen);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EngineChild child(options(5min), args, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  child.terminate();
+  // Told apart from what wait_until may send: two signals pending at once would count as one.
+  ASSERT_TRUE(eventually([&] { return signals_seen() == "TERM\n"; })) << signals_seen();
+  child.wait_until(EngineChild::Clock::now() + std::chrono::milliseconds(300));
+  EXPECT_EQ(signals_seen(), "TERM\n");
+  std::filesystem::remove(seen);
+}
+
 // The first start fails with an error naming the engine and the line it could not read, rather
 // than an exception from deep inside (std::stoi's "stoi"), and leaves no engine behind.
 TEST(EngineChild, AnUnreadablePortLineFailsTheStartQuotingIt) {
