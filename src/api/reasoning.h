@@ -11,6 +11,9 @@ namespace tandem::api {
 
 enum class ReasoningFormat { kNone, kDeepSeekR1, kQwen3 };
 
+// What ends the reasoning in both formats (a token of its own in their tokenizers).
+inline constexpr std::string_view kReasoningEnd = "</think>";
+
 // "deepseek_r1" or "qwen3" (vLLM's names); nullopt for any other.
 std::optional<ReasoningFormat> reasoning_format_named(std::string_view name);
 std::string_view reasoning_format_name(ReasoningFormat format);

@@ -905,10 +905,16 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
   read_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
-  // A constrained answer (forced tool calls, structured outputs) follows its grammar from the
-  // first token, so it has no reasoning to read apart: it is all content. (vLLM lets the model
-  // think first and constrains what follows </think>; Tandem's grammars hold from the start.)
-  if (r.sampling.structured_output) r.reasoning_all_content = true;
+  // A constrained answer (forced tool calls, structured outputs) of a reasoning model thinks
+  // first: the grammar holds after the </think> token, as vLLM's structured outputs with a
+  // reasoning parser apply it once is_reasoning_end sees that token. With the reasoning closed by
+  // the prompt, or no </think> token to wait for, the grammar holds from the first token and the
+  // answer is all content.
+  if (r.sampling.structured_output) {
+    if (r.reasoning != ReasoningFormat::kNone && !r.reasoning_all_content)
+      r.sampling.reasoning_end_token = tokenizer.token_to_id(kReasoningEnd);
+    if (!r.sampling.reasoning_end_token) r.reasoning_all_content = true;
+  }
   check_length(r, limits, body, max_name, "messages");
   return r;
 }

@@ -59,6 +59,11 @@ struct SamplingParams {
   // under a token mask (structured/token_constraint.h). Compiled when the request is parsed, so
   // a spec that does not compile is a 400 naming its field (and carried: OutputSpec::compiled).
   std::optional<structured::OutputSpec> structured_output;
+  // Set for a structured output with a reasoning parser (vLLM's --reasoning-parser) when the
+  // prompt left the reasoning open: the id that ends it (</think>). The grammar then holds only
+  // for the tokens after that id, which is unconstrained itself, as vLLM applies it once the
+  // reasoning ended: the model thinks freely, then answers as constrained.
+  std::optional<int32_t> reasoning_end_token;
 
   // Throws InvalidSamplingParam when a value is out of range. `max_tokens_name` is what the
   // request called max_tokens (max_completion_tokens, max_new_tokens): the error names the field

@@ -81,6 +81,7 @@ std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
                  std::span<const int32_t> eos_ids)
     : params_(params),
+      reasoning_ended_(!params.reasoning_end_token),
       seed_(params.seed.value_or(fallback_seed)),
       coupled_(params.seed.has_value()) {
   params_.validate();
@@ -98,7 +99,10 @@ void Sampler::constrain(std::unique_ptr<structured::TokenConstraint> constraint)
 }
 
 int32_t Sampler::commit(int32_t token) {
-  if (constraint_) constraint_->accept(token, grammar_end_ids_);
+  if (!reasoning_ended_)
+    reasoning_ended_ = token == params_.reasoning_end_token;
+  else if (constraint_)
+    constraint_->accept(token, grammar_end_ids_);
   return token;
 }
 
@@ -130,7 +134,7 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   // As vLLM: the bias goes on the raw logits, before penalties and temperature.
   for (const auto& [id, bias] : params_.logit_bias)
     if (id < vocab) logits[id] += bias;
-  const bool grammar = constrained && constraint_;
+  const bool grammar = constrained && constraint_ && reasoning_ended_;
   if (grammar) constraint_->mask(logits, grammar_end_ids_);
   if (static_cast<int64_t>(output.size()) < params_.min_tokens) {
     // As vLLM does: the first min_tokens tokens cannot end the sequence. (After the bias and the
@@ -237,7 +241,7 @@ std::string Sampler::nothing_left(bool constrained, size_t generated) const {
   if (!params_.allowed_token_ids.empty()) add("allowed_token_ids");
   if (!params_.bad_words_token_ids.empty()) add("bad_words");
   if (static_cast<int64_t>(generated) < params_.min_tokens && !end_ids_.empty()) add("min_tokens");
-  if (constrained && constraint_ && params_.structured_output)
+  if (constrained && constraint_ && reasoning_ended_ && params_.structured_output)
     add(params_.structured_output->field);
   return "no token can be sampled: " + (why.empty() ? std::string("the model's logits") : why) +
          " exclude every token of the vocabulary (or every one with text)";

@@ -66,7 +66,9 @@ class Sampler {
   // Constrains the answer to a grammar (structured outputs): sample() and verify() mask the
   // logits with it, after allowed_token_ids, bad_words and logit_bias, and advance it by the
   // token they return. propose() ignores it: a draft it refuses has probability 0 in verify(),
-  // which rejects it, so the answer is distributed as without speculation.
+  // which rejects it, so the answer is distributed as without speculation. With
+  // params.reasoning_end_token the grammar starts after that token was returned: the tokens up to
+  // it (the reasoning) are neither masked nor fed to it.
   void constrain(std::unique_ptr<structured::TokenConstraint> constraint);
   const structured::TokenConstraint* constraint() const { return constraint_.get(); }
   // Why the constraint could not go on, or why the masks (allowed_token_ids, bad_words,
@@ -117,6 +119,8 @@ class Sampler {
   std::vector<int32_t> end_ids_;  // masked while the output is shorter than min_tokens: stop, EOS
   std::vector<int32_t> grammar_end_ids_;  // what ends a constrained answer once it is complete
   std::unique_ptr<structured::TokenConstraint> constraint_;
+  // Whether the constraint holds yet: from the start, or once reasoning_end_token was returned.
+  bool reasoning_ended_;
   std::string failure_;
   uint64_t seed_;
   // Seeded: verify() couples (the answer is sample()'s whatever the draft), else rejection.

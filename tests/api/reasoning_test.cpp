@@ -132,13 +132,34 @@ TEST(Reasoning, QwenThinkingSwitchAndEarlierTurnsAsItsTemplateWritesThem) {
   const std::string prompt = qwen3().decode(after_tool.prompts[0], false);
   ASSERT_NE(prompt.find("</think>"), std::string::npos) << prompt;  // the earlier turn's
   EXPECT_FALSE(after_tool.reasoning_all_content);
-  // A forced call or schema holds from the first token: no reasoning to read apart.
-  const ApiRequest forced = parse({{"response_format", {{"type", "json_object"}}}});
-  EXPECT_TRUE(forced.reasoning_all_content);
+  // A forced call or schema holds after the reasoning, as vLLM applies it once its parser's end
+  // token (</think>) was generated: the answer is read apart. With the reasoning ended by the
+  // prompt it holds from the first token, and the answer is content.
+  const auto think_end = qwen3().token_to_id("</think>");
+  ASSERT_TRUE(think_end);
+  const json tool = {{"type", "function"},
+                     {"function", {{"name", "w"}, {"parameters", {{"type", "object"}}}}}};
+  for (const json& constrained :
+       {json{{"response_format", {{"type", "json_object"}}}},
+        json{{"tools", json::array({tool})}, {"tool_choice", "required"}}}) {
+    SCOPED_TRACE(constrained.dump());
+    const ApiRequest forced = parse(constrained);
+    ASSERT_TRUE(forced.sampling.structured_output);
+    EXPECT_FALSE(forced.reasoning_all_content);
+    EXPECT_EQ(forced.sampling.reasoning_end_token, think_end);
+    json thinking_off = constrained;
+    thinking_off["chat_template_kwargs"] = {{"enable_thinking", false}};
+    const ApiRequest forced_off = parse(thinking_off);
+    EXPECT_TRUE(forced_off.reasoning_all_content);
+    EXPECT_FALSE(forced_off.sampling.reasoning_end_token);
+  }
+  EXPECT_FALSE(on.sampling.reasoning_end_token);  // nothing to constrain
   // Without a reasoning parser nothing is read apart.
   const ModelLimits plain{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
   json body = {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}};
   EXPECT_EQ(parse_chat(body, qwen3(), &qwen3_template(), plain).reasoning, ReasoningFormat::kNone);
+  body["response_format"] = {{"type", "json_object"}};
+  EXPECT_FALSE(parse_chat(body, qwen3(), &qwen3_template(), plain).sampling.reasoning_end_token);
 }
 
 struct Rendered {

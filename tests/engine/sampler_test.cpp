@@ -407,10 +407,11 @@ TEST(Sampler, MasksThatLeaveNoTokenFailTheRequest) {
 // A sampler constrained to `spec` over a small vocabulary: "a", "{", "}", "\"", ":", " ", "1", and
 // ids 7 and 8 without text (end ids).
 struct Constrained {
-  static constexpr int32_t kA = 0, kOpen = 1, kSpace = 5, kEos = 7, kStop = 8, kVocab = 9;
+  static constexpr int32_t kA = 0, kOpen = 1, kClose = 2, kSpace = 5, kEos = 7, kStop = 8,
+                           kThinkEnd = 9, kVocab = 10;
   static std::shared_ptr<const structured::MaskVocabulary> vocabulary() {
     return std::make_shared<const structured::MaskVocabulary>(
-        std::vector<std::string>{"a", "{", "}", "\"", ":", " ", "1", "", ""});
+        std::vector<std::string>{"a", "{", "}", "\"", ":", " ", "1", "", "", ""});
   }
   static Sampler make(SamplingParams p, structured::OutputSpec::Kind kind, std::string text) {
     p.structured_output = structured::OutputSpec{kind, std::move(text), "response_format"};
@@ -474,6 +475,50 @@ TEST(Sampler, ACompleteStructuredAnswerEndsBeforeMinTokensWithTheModelsLogits) {
   EXPECT_NE(narrow.failure().find("'allowed_token_ids', 'min_tokens', 'response_format'"),
             std::string::npos)
       << narrow.failure();
+}
+
+// With a reasoning parser a structured output's grammar holds once the reasoning ended, as vLLM
+// applies it after its reasoning parser's end token (</think>): the reasoning ("a", which cannot
+// open a JSON object) and the end token (no text, which no grammar allows) are drawn unmasked and
+// not fed to the grammar, which then holds from its start for what follows. In verify() (drafts)
+// as in sample(). Without reasoning_end_token the grammar holds from the first token.
+TEST(Sampler, AGrammarHoldsOnlyAfterTheReasoningEndToken) {
+  using K = structured::OutputSpec::Kind;
+  using C = Constrained;
+  const auto favouring = [](int32_t best, int32_t second = -1) {
+    std::vector<float> l(C::kVocab, 0.0f);
+    l[best] = 30;
+    if (second >= 0) l[second] = 20;
+    return l;
+  };
+  for (const bool drafts : {false, true}) {
+    for (const double temperature : {0.0, 1.0}) {
+      SCOPED_TRACE(std::string(drafts ? "verify" : "sample") + ", temperature " +
+                   std::to_string(temperature));
+      SamplingParams p;
+      p.temperature = temperature;
+      p.seed = 3;  // verify() couples a seeded draft: it answers what sample() draws
+      p.reasoning_end_token = C::kThinkEnd;
+      Sampler s = C::make(p, K::kJsonObject, "");
+      std::vector<int32_t> output;
+      const auto next = [&](std::vector<float> l, int32_t draft) {
+        const int32_t t = drafts ? s.verify(l, {}, output, draft, {}) : s.sample(l, {}, output);
+        output.push_back(t);
+        return t;
+      };
+      EXPECT_EQ(next(favouring(C::kA, C::kOpen), C::kA), C::kA);
+      EXPECT_EQ(next(favouring(C::kThinkEnd, C::kOpen), C::kThinkEnd), C::kThinkEnd);
+      EXPECT_EQ(next(favouring(C::kA, C::kOpen), C::kA), C::kOpen);
+      EXPECT_EQ(next(favouring(C::kA, C::kClose), C::kA), C::kClose);
+      EXPECT_EQ(next(favouring(C::kA, C::kEos), C::kA), C::kEos);
+      EXPECT_TRUE(s.failure().empty()) << s.failure();
+
+      p.reasoning_end_token.reset();
+      Sampler plain = C::make(p, K::kJsonObject, "");
+      std::vector<float> l = favouring(C::kA, C::kOpen);
+      EXPECT_EQ(drafts ? plain.verify(l, {}, {}, C::kA, {}) : plain.sample(l, {}, {}), C::kOpen);
+    }
+  }
 }
 
 TEST(Sampler, InvalidParametersAreNamed) {
