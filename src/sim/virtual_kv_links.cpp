@@ -670,10 +670,19 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     } else if (r.claim != 0 && r.decode) {
       // The prefill engine's answer to the decode engine: a refusal, no engine's fault.
       fail_room(room, name + " did not complete within " + seconds_text(config_.timeout_s) + " s");
+    } else if (r.decode) {
+      // This engine's timeout, shorter than the decode engine's, passed first: the decode leg is
+      // refused, and so is a prefill leg of its prompt that comes later (its KV would reach
+      // nobody), as the live agent's serve_register leaves a refusal for it.
+      const std::string why = "no prefill request with bootstrap_room " + std::to_string(room) +
+                              " arrived within " + seconds_text(config_.timeout_s) + " s";
+      const uint64_t hash = r.decode->prompt_hash;
+      const int64_t tokens = r.decode->prompt_tokens;
+      fail_room(room, why);
+      leave_refusal(room, hash, tokens, why);
     } else {
-      fail_room(room, "bootstrap room " + std::to_string(room) +
-                          ": the other leg did not come within " +
-                          std::to_string(config_.timeout_s) + " s");
+      fail_room(room, "no decode engine registered bootstrap_room " + std::to_string(room) +
+                          " within " + seconds_text(config_.timeout_s) + " s");
     }
   }
   // The decode engine's await_room gave up, the prefill engine's fault: its fetch fails now, and
@@ -731,18 +740,25 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
                  const std::string& reason) {
     auto it = rooms_.find(room);
     if (it == rooms_.end()) {
-      if (refusals_.count(room)) return;
-      Refusal& f = refusals_[room];
-      f.prompt_hash = prompt_hash;
-      f.prompt_tokens = prompt_tokens;
-      f.error = reason;
-      f.expiry = at(now_s() + config_.timeout_s, [this, room] { refusals_.erase(room); });
+      leave_refusal(room, prompt_hash, prompt_tokens, reason);
       return;
     }
     if (it->second.claim == 0 || it->second.decode || it->second.prompt_hash != prompt_hash ||
         it->second.prompt_tokens != prompt_tokens)
       return;
     fail_room(room, reason, true);
+  }
+
+  // Prefill side: a prefill leg of this prompt that comes for `room` within the timeout is
+  // refused with `error`, as abandoned (open_room); a refusal there already stands.
+  void leave_refusal(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                     const std::string& error) {
+    if (refusals_.count(room)) return;
+    Refusal& f = refusals_[room];
+    f.prompt_hash = prompt_hash;
+    f.prompt_tokens = prompt_tokens;
+    f.error = error;
+    f.expiry = at(now_s() + config_.timeout_s, [this, room] { refusals_.erase(room); });
   }
 
   // Prefill side: the decode leg of `room` went away.

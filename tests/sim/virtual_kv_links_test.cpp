@@ -419,6 +419,41 @@ TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheDecodeGaveUpIsRefusedAtOnce) {
   EXPECT_FALSE(late.ok.has_value());
 }
 
+// A prefill engine whose timeout (10 s) is shorter than the decode engine's (30 s) times out a
+// room whose prefill leg has not come first: live, serve_register refuses the decode leg (the
+// prefill engine's answer, not its fault) and leaves the room a refusal, so that a prefill leg of
+// that prompt arriving later is refused at once, as abandoned, instead of computing its prompt
+// and then waiting out the timeout for a decode leg that has been told to go.
+TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheShorterPrefillTimeoutPassedIsRefusedAtOnce) {
+  prefill_.reset();  // a prefill engine of a 10 s timeout, at the same address
+  engine::KvTransferConfig p;
+  p.engine_id = "prefill";
+  p.port = 1;
+  p.advertise_host = "prefill-host";
+  p.timeout_s = 10;
+  prefill_ = net_.make(p, executor_, post(), now(), [] {});
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(12);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_FALSE(fetched.result->ok);
+  EXPECT_FALSE(fetched.result->prefill_fault);
+  EXPECT_EQ(fetched.result->error, "no prefill request with bootstrap_room 7 arrived within 10 s");
+  EXPECT_NEAR(fetched.at_s, 10.0001, 1e-6);  // registered at 50 us, told 50 us after 10 s
+
+  RoomEnd late;
+  try {
+    prefill_->open_room(7, 1234, 8, room_end(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg was refused";
+  } catch (const KvTransferError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "no prefill request with bootstrap_room 7 arrived within 10 s");
+    EXPECT_TRUE(e.room_abandoned);
+  }
+  run_until(100);
+  EXPECT_FALSE(late.ok.has_value());
+}
+
 // A decode engine that stalls after registering its room, before the room's layers are written,
 // holds the first frame the prefill engine sends: live, that send times out after the transfer
 // timeout (30 s) from when it began, as the prefill engine's fault, whenever the stall began.
