@@ -1004,6 +1004,54 @@ TEST(ClusterSimulation, ATransferFrozenByAStallLongerThanTheTransferTimeoutFails
     }
 }
 
+TEST(ClusterSimulation,
+     APrefillEngineStalledMidTransferIsEjectedByItsProbesAndServesAgainWhenItWakes) {
+  // Parallel P/D: prefill-0 hangs from 3 s to 13 s while its room streams the KV of A (sent at 0 s,
+  // a 200-token prompt, over 5 s at 1 MB/s) to decode-0. The transfer fails at 4 s (--kv-transfer-
+  // timeout 1 s), as prefill-0's fault, and A is prefilled again on prefill-1. Its probes of 4, 6
+  // and 8 s time out: three failures in a row eject it at 9 s, as the gateway's rule says (the
+  // transfer's failure is no fourth: a probe passed since A was sent, so it counts as overload).
+  // B, sent at 11 s while it is out, goes to prefill-1 and does not wait for the wake. It wakes at
+  // 13 s, its probe of 14 s readmits it, and it serves again: later requests take turns on both.
+  // Nothing is lost and every block is free at the end.
+  auto o = pd_options(gateway::PdMode::kParallel, 2, 1, "deepseek-v3-h800");
+  o.gateway.policy = "round_robin";  // prefill-0 first
+  const auto path = test::scratch_path("tandem_sim_stalled_room", ".log");
+  o.gateway.access_log = path.string();
+  o.kv_link.bytes_per_s = 1e6;
+  o.kv_transfer_timeout_s = 1;
+  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+      std::chrono::seconds(10000);
+  o.faults = {{Fault::Kind::kStall, "prefill-0", 3.0, 10.0}};
+  std::vector<bench::BenchRequest> reqs = {request(0, words(200, 3), 4),
+                                           request(11, words(20, 7), 4)};
+  for (int i = 0; i < 4; ++i) reqs.push_back(request(30 + i, words(20, size_t(10 + i)), 4));
+  const auto run = simulate(reqs, o, tokenizer());
+  for (size_t i = 0; i < reqs.size(); ++i)
+    ASSERT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  EXPECT_EQ(run.retries, 1);  // A's
+  EXPECT_LT(run.results[1].ttft_s, 13.0 - 11.0);
+  std::map<std::string, nlohmann::json> lines;  // by request id (sim-N: the Nth sent)
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    lines[j["request_id"]] = j;
+  }
+  ASSERT_EQ(lines.size(), reqs.size());
+  EXPECT_EQ(lines["sim-0"]["attempts"], 2);
+  EXPECT_EQ(lines["sim-0"]["prefill"], "prefill-1");
+  EXPECT_EQ(lines["sim-1"]["attempts"], 1);
+  EXPECT_EQ(lines["sim-1"]["prefill"], "prefill-1");
+  int on_prefill_0 = 0;
+  for (int i = 2; i < 6; ++i)
+    on_prefill_0 += lines["sim-" + std::to_string(i)]["prefill"] == "prefill-0";
+  EXPECT_EQ(on_prefill_0, 2);
+  for (const auto& e : run.engines) {
+    EXPECT_TRUE(e.healthy) << e.name;
+    EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+  }
+}
+
 TEST(ClusterSimulation, APullFromAStalledPrefillEngineFailsAtTheHandshakeTimeoutAndIsRetried) {
   // As live engines since the handshake timeout bounds a pull: decode-0 is stalled when the
   // decode leg comes (it takes the leg when it wakes at 5.5 s; its probes of 2 and 4 s fail, too
