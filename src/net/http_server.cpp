@@ -169,10 +169,16 @@ std::vector<std::string> parse_allowed_origins(std::string_view value) {
 }
 
 bool ConnectionsPerAddress::admit(const std::string& address) {
+  if (limit_ == 0) return true;
   std::lock_guard lock(mu_);
-  size_t& held = held_[address];
-  if (held >= limit_) return false;
-  ++held;
+  // Found, not inserted, before the check: a refusal leaves no entry for its address.
+  const auto it = held_.find(address);
+  if (it == held_.end()) {
+    held_.emplace(address, 1);
+    return true;
+  }
+  if (it->second >= limit_) return false;
+  ++it->second;
   return true;
 }
 
@@ -180,6 +186,11 @@ void ConnectionsPerAddress::release(const std::string& address) {
   std::lock_guard lock(mu_);
   auto it = held_.find(address);
   if (it != held_.end() && --it->second == 0) held_.erase(it);
+}
+
+size_t ConnectionsPerAddress::addresses() const {
+  std::lock_guard lock(mu_);
+  return held_.size();
 }
 
 namespace detail {

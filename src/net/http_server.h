@@ -113,13 +113,17 @@ class ConnectionsPerAddress {
   explicit ConnectionsPerAddress(size_t limit) : limit_(limit) {}
   size_t limit() const { return limit_; }
   // Takes a place for a new connection from `address`: false when it holds `limit` already.
+  // A limit of 0 is no limit (as max_connections_per_address 0): every connection is admitted
+  // and none is counted.
   bool admit(const std::string& address);
   // A connection admit() took a place for has closed.
   void release(const std::string& address);
+  // How many addresses hold a connection now.
+  size_t addresses() const;
 
  private:
   const size_t limit_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::unordered_map<std::string, size_t> held_;  // under mu_; addresses holding none are absent
 };
 
@@ -189,7 +193,7 @@ struct HttpServerOptions {
   // for servers behind a proxy or load balancer, where every client shares its address.
   size_t max_connections_per_address = 0;
   // The count of connections per address shared with other servers, whose limit then applies in
-  // place of max_connections_per_address. Null: the server counts its own.
+  // place of max_connections_per_address (0: no limit). Null: the server counts its own.
   std::shared_ptr<ConnectionsPerAddress> connections_per_address;
   // Where the server reports what only an operator can act on (handler exceptions, accept
   // failures, the connection cap). Empty: standard error.

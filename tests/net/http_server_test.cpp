@@ -2220,6 +2220,45 @@ TEST(HttpServer, ServersSharingAPerAddressCountHoldItsCapBetweenThem) {
   EXPECT_TRUE(readmitted);
 }
 
+// A shared count's limit applies in place of max_connections_per_address, whose 0 is no limit; a
+// count of 0 refused every connection, and each refusal left an entry for its address, so the
+// count grew with every address that called.
+TEST(HttpServer, ASharedPerAddressCountOfZeroLimitsNoAddress) {
+  const auto shared = std::make_shared<ConnectionsPerAddress>(0);
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  options.connections_per_address = shared;
+  options.log = [](const std::string&) {};
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
+  std::vector<std::unique_ptr<RawConnection>> held;
+  for (const char* address : {"127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.2"}) {
+    held.push_back(std::make_unique<RawConnection>(server.port(), address));
+    std::string got;
+    held.back()->send(post);
+    EXPECT_TRUE(held.back()->read_until(got, "{}")) << address;
+  }
+  EXPECT_EQ(calls.load(), 4);
+  EXPECT_EQ(shared->addresses(), 0u);
+}
+
+TEST(ConnectionsPerAddress,
+     AnAddressIsCountedUntilItsLastConnectionClosesAndALimitOfZeroCountsNone) {
+  ConnectionsPerAddress count(1);
+  EXPECT_TRUE(count.admit("a"));
+  EXPECT_FALSE(count.admit("a"));
+  EXPECT_EQ(count.addresses(), 1u);
+  count.release("a");
+  EXPECT_EQ(count.addresses(), 0u);
+  count.release("never admitted");
+  EXPECT_EQ(count.addresses(), 0u);
+  ConnectionsPerAddress unlimited(0);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(unlimited.admit("b"));
+  EXPECT_EQ(unlimited.addresses(), 0u);
+}
+
 TEST(HttpServer, TheDefaultConnectionCapIsThreeQuartersOfTheDescriptorLimit) {
   HttpServer server(local_options());
   server.start();
