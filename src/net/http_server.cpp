@@ -121,10 +121,12 @@ size_t default_max_connections(std::optional<size_t> limit) {
 }
 
 std::string allowed_origin_error(std::string_view origin) {
-  if (origin == "*") return {};
+  // "null": the Origin a browser sends from a file:// page or a sandboxed iframe.
+  if (origin == "*" || origin == "null") return {};
   const size_t scheme_end = origin.find("://");
   if (scheme_end == std::string_view::npos || scheme_end == 0 || scheme_end + 3 == origin.size())
-    return "expected an origin such as https://app.example.com (scheme://host[:port]) or *";
+    return "expected an origin such as https://app.example.com (scheme://host[:port]), null "
+           "or *";
   for (const char c : origin)
     if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f || c == ',')
       return "an origin has no spaces, commas or control characters";

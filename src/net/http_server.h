@@ -209,8 +209,9 @@ struct HttpServerOptions {
 };
 
 // Why `origin` can be no entry of HttpServerOptions::allowed_origins, which browsers compare
-// whole with their Origin header: "*", or scheme://host[:port] without a path (a trailing '/'
-// never matches); empty when it can.
+// whole with their Origin header: "*", "null" (the Origin of a file:// page or a sandboxed
+// iframe), or scheme://host[:port] without a path (a trailing '/' never matches); empty when it
+// can.
 std::string allowed_origin_error(std::string_view origin);
 // `--allowed-origins`' value as `tandem gateway`, `engine` and `serve` take it: origins separated
 // by commas, or vLLM's JSON list (["https://app.example.com"]); "" allows none (no CORS). Throws

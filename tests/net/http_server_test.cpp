@@ -454,6 +454,28 @@ TEST(HttpServer, CorsAllowsOnlyTheListedOrigins) {
   }
 }
 
+// A page opened from a file:// URL, or in a sandboxed iframe, sends "Origin: null"; the entry
+// "null" was refused as no origin, so such a page could not be allowed (vLLM's list allows it by
+// plain membership).
+TEST(HttpServer, TheNullOriginOfFilePagesAndSandboxedFramesCanBeAllowed) {
+  EXPECT_EQ(allowed_origin_error("null"), "");
+  const std::vector<std::string> origins = parse_allowed_origins("null, https://app.example.com");
+  EXPECT_EQ(origins, (std::vector<std::string>{"null", "https://app.example.com"}));
+  auto options = local_options();
+  options.allowed_origins = origins;
+  HttpServer server(options);
+  server.route("POST", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  Headers h;
+  h.set("Origin", "null");
+  const auto r = client.request("POST", "/x", "{}", h);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.get("Access-Control-Allow-Origin"), "null");
+  EXPECT_EQ(r.headers.get("Vary"), "Origin");
+}
+
 // The errors the server writes itself once a request's head is read (a body too large, malformed
 // or late: 413, 400, 408) carried no CORS header, so a page's fetch saw a network error instead of
 // the answer. They carry it as every answer does; a head that fails was never read, so its Origin
