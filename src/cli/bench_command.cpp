@@ -13,6 +13,7 @@
 #include "bench/report.h"
 #include "bench/workload.h"
 #include "cli/bench_options.h"
+#include "cli/gateway_command.h"
 #include "gateway/topology.h"
 #include "net/http_client.h"
 #include "text/tokenizer.h"
@@ -26,8 +27,9 @@ namespace {
 using nlohmann::json;
 
 struct BenchCliOptions {
-  std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model,
-              prompt_format = "ids", access_log, api_key, label;
+  std::string base_url = "http://127.0.0.1:" + std::to_string(kDefaultGatewayPort),
+              endpoint = "/v1/completions", model, prompt_format = "ids", access_log, api_key,
+              label;
   bool label_given = false;
   WorkloadCliOptions workload;
   MetricsCliOptions metrics;
@@ -58,30 +60,35 @@ void check_unused_run_flags(const BenchCliOptions& o) {
                 "asked for: give --html too");
 }
 
-// "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both.
-std::pair<std::string, uint16_t> split_url(const std::string& url) {
-  const gateway::Endpoint e = gateway::parse_endpoint(url);
+// "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both;
+// errors name `flag`.
+std::pair<std::string, uint16_t> split_url(const std::string& url, const std::string& flag) {
+  const gateway::Endpoint e = gateway::parse_endpoint(url, flag);
   return {e.host, e.port};
 }
 
 // The first model a server lists at /v1/models, as vLLM's bench takes it when --model is not
-// given; empty (with a warning) when the server lists none or cannot be asked, and then no model is
-// sent, which servers serving one model accept.
-std::string first_served_model(const std::string& host, uint16_t port, const std::string& api_key) {
+// given; empty (with a warning) when the server lists none or answers with an error, and then no
+// model is sent, which servers serving one model accept. A server that does not answer at all
+// (nothing listens there) is an error: every request of the run would fail the same way.
+std::string first_served_model(const std::string& base_url, const std::string& host, uint16_t port,
+                               const std::string& api_key) {
   std::string why;
+  net::HttpClientResponse r;
   try {
     net::Headers headers;
     if (!api_key.empty()) headers.set("Authorization", "Bearer " + api_key);
-    const auto r =
-        net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
-    if (r.status == 200) {
-      if (auto id = api::first_model_id(r.body)) return *id;
-      why = "it lists no model";
-    } else {
-      why = "HTTP " + std::to_string(r.status);
-    }
+    r = net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
   } catch (const std::exception& e) {
-    why = e.what();
+    throw Error("--base-url " + base_url + ": no server answered GET /v1/models (" + e.what() +
+                "); start one first (tandem serve listens on port " +
+                std::to_string(kDefaultGatewayPort) + " by default)");
+  }
+  if (r.status == 200) {
+    if (auto id = api::first_model_id(r.body)) return *id;
+    why = "it lists no model";
+  } else {
+    why = "HTTP " + std::to_string(r.status);
   }
   std::fprintf(stderr,
                "tandem bench: warning: no --model, and /v1/models gave none (%s): requests are "
@@ -101,7 +108,7 @@ std::string date_text() {
 }
 
 void run(const BenchCliOptions& o) {
-  const auto [host, port] = split_url(o.base_url);
+  const auto [host, port] = split_url(o.base_url, "--base-url");
   bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
   check_workload_options(o.workload);
   // The access log is read and the outputs written after the run: one that cannot be read or
@@ -116,7 +123,7 @@ void run(const BenchCliOptions& o) {
   d.host = host;
   d.port = port;
   d.endpoint = o.endpoint;
-  d.model = o.model.empty() ? first_served_model(host, port, o.api_key) : o.model;
+  d.model = o.model.empty() ? first_served_model(o.base_url, host, port, o.api_key) : o.model;
   if (o.prompt_format != "ids" && o.prompt_format != "text")
     throw Error("--prompt-format: expected ids or text");
   d.prompt_format =
@@ -137,7 +144,7 @@ void run(const BenchCliOptions& o) {
 
   // Prefix-cache counters before and after, from the server (or the engines given).
   std::vector<std::pair<std::string, uint16_t>> metric_sources;
-  for (const auto& u : o.metrics_urls) metric_sources.push_back(split_url(u));
+  for (const auto& u : o.metrics_urls) metric_sources.push_back(split_url(u, "--metrics-url"));
   if (metric_sources.empty()) metric_sources.push_back({host, port});
   auto counters = [&] {
     std::optional<bench::PrefixCacheCounters> sum;

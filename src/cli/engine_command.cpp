@@ -195,6 +195,9 @@ void check_settings(const EngineOptions& o, const CLI::App& cmd) {
   api::check_api_keys(o.api_keys, "--api-key");
   net::check_socket_host("--host", o.host);
   net::check_socket_host("--kv-transfer-host", o.kv_transfer_host);
+  // Given empty it would read as not given (the model's path served instead): refused.
+  if (cmd.count("--served-model-name") > 0 && o.served_model_name.empty())
+    throw Error("--served-model-name: expected a name, got ''");
   // The served name goes into /v1/models' JSON and /metrics' labels, which carry only UTF-8: a
   // name that is not would fail every listing (a 500) and spoil every scrape.
   if (const std::string& name = o.served_model_name.empty() ? o.model : o.served_model_name;
@@ -241,6 +244,9 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
   check_settings(o, cmd);  // before minutes of loading
+  if (o.model.rfind(kSimPrefix, 0) != 0) check_model_folder("--model", o.model);
+  // Likewise the address: a port in use found after the load would have cost it.
+  net::check_listen_address("--host", o.host, "--port", static_cast<uint16_t>(o.port));
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
@@ -570,26 +576,23 @@ CLI::App* add_engine_subcommand(CLI::App& app, EngineOptions& o) {
   cmd->add_option("--advertise-host", o.advertise_host,
                   "host decode engines reach this engine at (remote_host; default: --host, or "
                   "this machine's first non-loopback IPv4 address)");
-  cmd->add_option("--kv-transfer-timeout", o.kv_transfer_timeout,
-                  "seconds KV waits to be taken, a room waits for its other leg, and each transfer "
-                  "frame (one layer's KV) may take")
-      ->capture_default_str()
-      ->check(finite_seconds())
-      // Rounded to milliseconds (the transports' timeouts): less would be none, and a timeout of
-      // 0 ms fails every transfer frame at once.
-      ->check(at_least_a_millisecond())
-      // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
-      // would be undefined (1e300 was taken).
-      ->check(CLI::Range(0.0, 2147483.647));
-  cmd->add_option("--kv-transfer-handshake-timeout", o.kv_transfer_handshake_timeout,
-                  "seconds a prefill engine answers within before a decode engine gives it up "
-                  "as hung (connect, --kv-transfer-secret handshake and the answer to a pull, as "
-                  "a whole; each release of held KV too), and within which a connection to a "
-                  "prefill engine sends each frame until its request")
-      ->capture_default_str()
-      ->check(finite_seconds())
-      ->check(at_least_a_millisecond())
-      ->check(CLI::Range(0.0, 2147483.647));
+  // Rounded to milliseconds (the transports' timeouts): less would be none, and a timeout of 0 ms
+  // fails every transfer frame at once. At most the gateway's durations (about 24.8 days): past
+  // int64 milliseconds the conversion would be undefined (1e300 was taken).
+  check_seconds(cmd->add_option("--kv-transfer-timeout", o.kv_transfer_timeout,
+                                "seconds KV waits to be taken, a room waits for its other leg, "
+                                "and each transfer frame (one layer's KV) may take")
+                    ->capture_default_str(),
+                /*at_least_a_ms=*/true, 2147483.647);
+  check_seconds(
+      cmd->add_option(
+             "--kv-transfer-handshake-timeout", o.kv_transfer_handshake_timeout,
+             "seconds a prefill engine answers within before a decode engine gives it up "
+             "as hung (connect, --kv-transfer-secret handshake and the answer to a pull, as "
+             "a whole; each release of held KV too), and within which a connection to a "
+             "prefill engine sends each frame until its request")
+          ->capture_default_str(),
+      /*at_least_a_ms=*/true, 2147483.647);
   cmd->add_option("--kv-transport", o.kv_transport,
                   "KV transfer transport: shm (shared memory with engines on this host, TCP with "
                   "others) or tcp")

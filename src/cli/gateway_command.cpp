@@ -12,9 +12,11 @@
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
+#include "cli/model_commands.h"
 #include "cli/number_checks.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
+#include "gateway/policy.h"
 #include "net/http.h"
 #include "util/duration.h"
 #include "util/error.h"
@@ -27,7 +29,7 @@ struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
                       model, served_model_name, admin_api_key, metrics_api_key, engine_api_key,
                       access_log, priority_classes;
-  int port = 8080;
+  int port = kDefaultGatewayPort;
   bool reuse_port = false;
   GatewayCapacityFlags capacity;
   MaxTokensFlags max_tokens;
@@ -60,13 +62,26 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
   if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
 }
 
-// A topology from flags: the same structure a --config file gives.
+// A topology from flags: the same structure a --config file gives. What the flags say is checked
+// here, naming them; the Gateway's own checks name a topology file's keys, which the user of
+// flags never wrote.
 gateway::Topology from_flags(const GatewayCliOptions& o) {
   gateway::Topology t;
-  t.mode = gateway::parse_mode(o.mode);
-  for (gateway::Pool* p : {&t.prefill, &t.decode}) p->dialect = gateway::parse_dialect(o.dialect);
-  for (const auto& e : o.prefill) t.prefill.endpoints.push_back(gateway::parse_endpoint(e));
-  for (const auto& e : o.decode) t.decode.endpoints.push_back(gateway::parse_endpoint(e));
+  t.mode = gateway::parse_mode(o.mode, "--mode");
+  for (gateway::Pool* p : {&t.prefill, &t.decode})
+    p->dialect = gateway::parse_dialect(o.dialect, "--dialect");
+  for (const auto& e : o.prefill)
+    t.prefill.endpoints.push_back(gateway::parse_endpoint(e, "--prefill"));
+  for (const auto& e : o.decode)
+    t.decode.endpoints.push_back(gateway::parse_endpoint(e, "--decode"));
+  if (t.mode == gateway::PdMode::kAggregated && !o.prefill.empty())
+    throw Error(
+        "gateway: --prefill: --mode aggregated takes no prefill engines (each --decode "
+        "engine does both legs); give --mode sequential or parallel");
+  if (t.mode != gateway::PdMode::kAggregated && o.prefill.empty())
+    throw Error("gateway: --mode " + o.mode + " needs at least one --prefill engine");
+  if (const std::string why = gateway::unknown_policy_error(o.policy); !why.empty())
+    throw Error("--policy: " + why);
   t.model = o.model;
   t.policy = o.policy;
   return t;  // validated by the Gateway
@@ -83,6 +98,10 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count(flag) > 0) gateway::check_key_option(*value, field, flag);
   for (const std::string& key : o.api_keys) gateway::check_key_option(key, "api_keys", "--api-key");
 
+  // Given empty it would read as not given (the engines' name served instead): refused.
+  if (cmd.count("--served-model-name") > 0 && o.served_model_name.empty())
+    throw Error("--served-model-name: expected a name, got ''");
+
   gateway::Topology t;
   if (!o.config.empty()) {
     // The file's pools and what they are: a flag for them would describe other engines.
@@ -92,6 +111,7 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t = gateway::load_topology(o.config);
   } else {
     if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
+    if (!o.model.empty()) check_model_folder("--model", o.model);
     t = from_flags(o);
   }
   apply_setting_flags(t, o, cmd, !o.config.empty());

@@ -8,6 +8,10 @@ namespace tandem::cli {
 // `tandem gateway`: one OpenAI endpoint in front of prefill and decode engines.
 void add_gateway_command(CLI::App& app);
 
+// The port a gateway listens on by default (`tandem gateway`, `tandem serve`), and so the one
+// `tandem bench` measures by default: a `serve` and then a `bench` find each other.
+constexpr int kDefaultGatewayPort = 8080;
+
 // What the gateway does about engines that fail or hang, as `tandem gateway` and `tandem serve`
 // take it: one definition of each flag, so both commands read and bound it alike.
 struct GatewayFailureFlags {

@@ -29,14 +29,12 @@ bool stopped_again(const StopSignals& signals, const char* who, const char* then
 }  // namespace
 
 void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
-  cmd.add_option("--shutdown-timeout", seconds,
-                 "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish, new ones "
-                 "refused with 503, before those left end; a second signal ends it at once (0: "
-                 "no drain)")
-      ->capture_default_str()
-      ->check(finite_seconds())
-      ->check(non_negative_number())
-      ->check(CLI::Range(0.0, 2147483.0));
+  check_seconds(cmd.add_option("--shutdown-timeout", seconds,
+                               "seconds a stop (SIGTERM, SIGINT) lets the requests in flight "
+                               "finish, new ones refused with 503, before those left end; a "
+                               "second signal ends it at once (0: no drain)")
+                    ->capture_default_str(),
+                /*at_least_a_ms=*/false, 2147483.0);
 }
 
 std::chrono::milliseconds shutdown_drain(double seconds) {

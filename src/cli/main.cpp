@@ -6,9 +6,11 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "build_info.h"  // generated: TANDEM_GIT_COMMIT
 #include "cli/bench_command.h"
 #include "cli/engine_command.h"
 #include "cli/gateway_command.h"
@@ -34,6 +36,22 @@ void raise_file_limit() {
   }
 }
 
+// CLI11 takes a mistyped subcommand ("servee") for an extra argument and answers "A subcommand
+// is required": the word the user typed is named instead, with the subcommands there are.
+// Empty when the first argument is a flag or a subcommand.
+std::string unknown_subcommand(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-') return std::string();
+  const std::string word = argv[1];
+  std::string known;
+  for (const CLI::App* command : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (command->check_name(word)) return std::string();
+    if (!command->get_group().empty())  // the internal ones are not offered
+      known += (known.empty() ? "" : ", ") + command->get_name();
+  }
+  return "unknown subcommand '" + word + "'; the subcommands are " + known +
+         " (tandem --help says what each does)";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -49,6 +67,9 @@ int main(int argc, char** argv) {
   CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs",
                "tandem"};
   app.require_subcommand(1);
+  // For bug reports: which source the binary was built from (build_info.cmake).
+  app.set_version_flag("--version", std::string("tandem, built from commit ") + TANDEM_GIT_COMMIT,
+                       "print the commit this binary was built from and exit");
   tandem::cli::add_text_commands(app);
   tandem::cli::add_model_commands(app);
   tandem::cli::add_generate_command(app);
@@ -59,6 +80,10 @@ int main(int argc, char** argv) {
   tandem::cli::add_simulate_command(app);
   tandem::cli::add_place_command(app);
   tandem::cli::refuse_integers_not_in_decimal(app);  // every command's, once all are added
+  if (const std::string unknown = unknown_subcommand(app, argc, argv); !unknown.empty()) {
+    std::fprintf(stderr, "tandem: error: %s\n", unknown.c_str());
+    return 1;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

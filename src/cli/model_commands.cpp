@@ -1,12 +1,16 @@
 #include "cli/model_commands.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
 
+#include "cli/bench_options.h"
 #include "model/make_model.h"
 #include "model/quantize.h"
 #include "util/error.h"
@@ -19,6 +23,7 @@ namespace fs = std::filesystem;
 
 struct MakeModelArgs {
   std::string preset, out, dtype = "bf16", tokenizer;
+  std::string final_out;  // where `out` is renamed to once written, for the message; empty: out
   uint64_t seed = 0;
   int64_t layers = 0;
 };
@@ -57,17 +62,18 @@ void write_model(const MakeModelArgs& a) {
       bar.update(done, total);
     }
   };
+  const std::string& named = a.final_out.empty() ? a.out : a.final_out;
   if (qwen3) {
     const model::Qwen3MoeConfig c = model::make_qwen3_moe_model(o, on_progress);
     std::fprintf(stderr, "make-model: wrote %s (%s, %lld layers, %s weights, seed %llu)\n",
-                 a.out.c_str(), model::kQwen3MoeArchitecture,
+                 named.c_str(), model::kQwen3MoeArchitecture,
                  static_cast<long long>(c.num_hidden_layers), a.dtype.c_str(),
                  static_cast<unsigned long long>(a.seed));
     return;
   }
   const model::ModelConfig c = model::make_model(o, on_progress);
   std::fprintf(stderr, "make-model: wrote %s (%s, %lld layers + %lld MTP, %s weights, seed %llu)\n",
-               a.out.c_str(), c.architecture.c_str(), static_cast<long long>(c.num_hidden_layers),
+               named.c_str(), c.architecture.c_str(), static_cast<long long>(c.num_hidden_layers),
                static_cast<long long>(c.num_nextn_predict_layers), a.dtype.c_str(),
                static_cast<unsigned long long>(a.seed));
 }
@@ -91,6 +97,24 @@ void quantize(const QuantizeArgs& a) {
                a.dtype.c_str());
 }
 
+// The folders `preset_model_folder` wrote `dir` into (DIR.partial-PID) whose process is gone: a
+// stop signal ends serve while it writes, with no chance to remove its own, and each held the
+// model's size (gigabytes for some presets) for good. A running writer's folder is kept.
+void remove_stale_partial_folders(const fs::path& dir) {
+  const std::string prefix = dir.filename().string() + ".partial-";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir.parent_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    pid_t pid = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (error != std::errc() || end != digits.data() + digits.size() || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // running (EPERM: someone else's)
+    fs::remove_all(entry.path(), ec);
+  }
+}
+
 }  // namespace
 
 fs::path preset_model_path(const std::string& preset) {
@@ -108,6 +132,7 @@ fs::path preset_model_path(const std::string& preset) {
 
 fs::path preset_model_folder(const std::string& preset) {
   const fs::path dir = preset_model_path(preset);
+  remove_stale_partial_folders(dir);  // also once the model is there: they outlive it otherwise
   if (fs::exists(dir / "config.json")) return dir;
   // Written aside and renamed, so an interrupted run never leaves a half model behind.
   const fs::path tmp = dir.string() + ".partial-" + std::to_string(::getpid());
@@ -119,12 +144,24 @@ fs::path preset_model_folder(const std::string& preset) {
   MakeModelArgs a;
   a.preset = preset;
   a.out = tmp.string();
-  write_model(a);
+  a.final_out = dir.string();
+  try {
+    write_model(a);
+  } catch (...) {
+    fs::remove_all(tmp, made);
+    throw;
+  }
   std::error_code ec;
   fs::rename(tmp, dir, ec);
   if (ec) fs::remove_all(tmp);  // another process won the race: use its copy
   if (!fs::exists(dir / "config.json")) throw Error("could not create " + dir.string());
   return dir;
+}
+
+void check_model_folder(const std::string& flag, const std::string& folder) {
+  std::string checked = folder;  // CLI11's validators may rewrite what they check
+  if (const std::string why = CLI::ExistingDirectory(checked); !why.empty())
+    throw Error(flag + ": " + why);
 }
 
 void add_model_commands(CLI::App& app) {
@@ -136,7 +173,9 @@ void add_model_commands(CLI::App& app) {
   cmd->add_option("--preset", a->preset, "model architecture: " + presets)->required();
   cmd->add_option("--out", a->out, "output folder (created; checkpoint files in it replaced)")
       ->required();
-  cmd->add_option("--seed", a->seed, "random seed (same seed, same bytes)")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "random seed (same seed, same bytes)")
+      ->capture_default_str()
+      ->check(seed_range());  // as bench's: -1 read as 2^64 - 1 is another seed, silently
   cmd->add_option("--dtype", a->dtype,
                   "weights: f32, bf16, f16, fp8 (E4M3, 128x128 block scales) or int8 "
                   "(per-channel scales)")

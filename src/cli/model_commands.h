@@ -21,4 +21,9 @@ std::filesystem::path preset_model_folder(const std::string& preset);
 // Where preset_model_folder has or will have that checkpoint; nothing is written.
 std::filesystem::path preset_model_path(const std::string& preset);
 
+// Throws tandem::Error naming `flag` when `folder` is no folder, in the words `generate --model`
+// uses (CLI::ExistingDirectory's): a reader of the files in it would blame one of them instead
+// ("no tokenizer.json in /nonexistent").
+void check_model_folder(const std::string& flag, const std::string& folder);
+
 }  // namespace tandem::cli

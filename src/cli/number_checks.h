@@ -5,7 +5,9 @@
 // positive number, got 0".
 #include <cctype>
 #include <cmath>
+#include <iomanip>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -65,6 +67,19 @@ inline CLI::Validator at_least_a_millisecond() {
         return std::string();
       },
       ">=0.001");
+}
+
+// A number of seconds for `option`, at most `most`, at least a millisecond or (where 0 means
+// none) 0: the checks above and CLI::Range, with one type in the help, "SECONDS in [0.001 -
+// 2147483.647]" with every digit. Each check added its own ("FLOAT:FINITE:>=0.001:FLOAT in
+// [0 - 2.14748e+06]"): bounds that disagreed, and a maximum rounded.
+inline CLI::Option* check_seconds(CLI::Option* option, bool at_least_a_ms, double most) {
+  std::ostringstream type;
+  type << std::setprecision(10) << "SECONDS in [" << (at_least_a_ms ? 0.001 : 0.0) << " - " << most
+       << "]";
+  return option->check(finite_seconds().description(""))
+      ->check((at_least_a_ms ? at_least_a_millisecond() : non_negative_number()).description(""))
+      ->check(CLI::Range(0.0, most).description(type.str()));
 }
 
 // Every integer option of `app` and its subcommands, as they stand, takes decimal only: "010"

@@ -46,6 +46,9 @@
 namespace tandem::cli {
 namespace {
 
+// The most engines of a role one serve starts.
+constexpr int kMaxEngines = 64;
+
 struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
@@ -54,8 +57,8 @@ struct ServeOptions {
   GenerationConfigFlags generation_config;  // passed to every engine
   GatewayFailureFlags gateway_failure;      // `tandem gateway`'s, for every gateway replica
   GatewayCapacityFlags gateway_capacity;    // likewise
-  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
-      gateways = 1, engine_start_timeout_s = 1800;
+  int port = kDefaultGatewayPort, prefill = 1, decode = 1, expert_parallel = 1,
+      speculative_tokens = 0, gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
   std::string reasoning_parser;  // passed to every engine
   double shutdown_timeout = default_shutdown_timeout();
@@ -189,15 +192,22 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
                                      : o.engine_host == "::"    ? "::1"
                                                                 : o.engine_host;
 
-  const gateway::PdMode mode = gateway::parse_mode(o.mode);
+  const gateway::PdMode mode = gateway::parse_mode(o.mode, "--mode");
   gateway::PriorityClasses classes;
   if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
+  if (const std::string why = gateway::unknown_policy_error(o.policy); !why.empty())
+    throw Error("--policy: " + why);
   const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(o.policy);
-  const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
-  if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
-    throw Error(
-        "serve: needs at least one decode engine, and one prefill engine unless "
-        "--mode aggregated");
+  // Refused, not dropped, as `tandem gateway` refuses prefill engines for an aggregated pool.
+  const bool aggregated = mode == gateway::PdMode::kAggregated;
+  if (aggregated && cmd.count("--prefill") > 0 && o.prefill > 0)
+    throw Error("serve: --prefill " + std::to_string(o.prefill) +
+                ": --mode aggregated runs no prefill engines (each engine does both legs); drop "
+                "--prefill, or give --mode sequential or parallel");
+  if (!aggregated && o.prefill < 1)
+    throw Error("serve: --prefill " + std::to_string(o.prefill) + ": --mode " + o.mode +
+                " needs at least one prefill engine (--mode aggregated runs none)");
+  const int prefills = aggregated ? 0 : o.prefill;
   // The generation config's own flags (a folder, an override); the model's file is read below.
   load_generation_config(o.generation_config, std::string());
   for (int i = 0; i < o.gateways; ++i) check_access_log(replica_access_log(o.access_log, i));
@@ -298,6 +308,10 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
       throw Error(std::string("serve: --engine-arg: ") + e.what());
     }
   }
+  // The gateway's address, and the engines' (each on a port of its own choosing): one in use or
+  // mistyped, found once every engine has loaded, would have cost every load.
+  net::check_listen_address("--host", o.host, "--port", static_cast<uint16_t>(o.port));
+  net::check_listen_address("--engine-host", o.engine_host, "--engine-host", 0);
   // Last, every flag checked: a make-model preset is written now, gigabytes for some, and a typo
   // must cost none of it.
   if (model != o.model) preset_model_folder(o.model);
@@ -450,8 +464,13 @@ void add_serve_command(CLI::App& app) {
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--mode", o->mode, "aggregated, sequential (vllm) or parallel (sglang)")
       ->capture_default_str();
-  cmd->add_option("--prefill", o->prefill, "prefill engines")->capture_default_str();
-  cmd->add_option("--decode", o->decode, "decode engines")->capture_default_str();
+  // Bounded as --gateways is: a typo (1000 for 10) would start engine after engine.
+  cmd->add_option("--prefill", o->prefill, "prefill engines (none with --mode aggregated)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, kMaxEngines));
+  cmd->add_option("--decode", o->decode, "decode engines (with --mode aggregated: engines)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, kMaxEngines));
   cmd->add_option("--expert-parallel", o->expert_parallel,
                   "rank processes per engine, its routed experts spread over them (see `tandem "
                   "engine --expert-parallel`)")

@@ -262,9 +262,13 @@ int error_event_status(std::string_view error_event) {
   if (!doc.is_object()) return 0;
   const auto error = doc.find("error");
   if (error == doc.end() || !error->is_object()) return 0;
-  if (const auto code = error->find("code");
-      code != error->end() && (*code == 429 || *code == "rate_limit_exceeded"))
-    return 429;
+  // A refusal: a rate limit, or SGLang's scheduler abort (a full queue, an eviction by a higher
+  // priority), which its stream handlers send with the abort's status as the code (503). Some
+  // proxies write the status as a string.
+  if (const auto code = error->find("code"); code != error->end()) {
+    if (*code == 429 || *code == "429" || *code == "rate_limit_exceeded") return 429;
+    if (*code == 503 || *code == "503") return 503;
+  }
   // Only OpenAI's type says so. A 4xx code is no evidence: vLLM's and SGLang's stream generators
   // send their own failures (a CUDA out-of-memory, a dead engine core) as {"type":
   // "BadRequestError", "code": 400}.

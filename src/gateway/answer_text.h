@@ -57,7 +57,9 @@ bool is_error_event(std::string_view data);
 // an engine finds only once generation starts (masks that leave no token), and which it can only
 // send in its stream: the type "invalid_request_error" (Tandem's engines: 400). A rate limit
 // (code 429, or OpenAI's "rate_limit_exceeded"; vLLM and SGLang send it only as a status, but an
-// engine behind a proxy may stream it) is a refusal, as a 429 answer is: 429. vLLM's and SGLang's
+// engine behind a proxy may stream it) is a refusal, as a 429 answer is: 429. So is SGLang's
+// scheduler abort (a full queue, a priority eviction), whose stream sends code 503: 503 (either
+// code may come as a string through a proxy). vLLM's and SGLang's
 // streams say {"type": "BadRequestError", "code": 400} for their own failures too, so that is the
 // engine's.
 int error_event_status(std::string_view error_event);

@@ -118,13 +118,20 @@ Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
     return Error(what + ": expected " + kEndpointForms + ", got " + quoted(text));
   };
   Endpoint e;
-  std::string rest = text;
+  std::string rest = text, scheme_text;
   if (const auto scheme = rest.find("://"); scheme != std::string::npos) {
     // Engines speak plain HTTP; any other scheme would silently be wrong.
     if (rest.substr(0, scheme) != "http") throw malformed();
+    scheme_text = "http://";
     rest = rest.substr(scheme + 3);
     if (!rest.empty() && rest.back() == '/') rest.pop_back();
   }
+  // A URL with a path (an OpenAI base URL, .../v1) names more than an engine's address: said with
+  // the address to give, as a pasted base URL is the likely case.
+  if (const auto slash = rest.find('/'); slash != std::string::npos)
+    throw Error(what + ": expected " + kEndpointForms + ", got " + quoted(text) +
+                ": give the engine's address without a path, " +
+                quoted(scheme_text + rest.substr(0, slash)));
   if (const auto at = rest.find('@'); at != std::string::npos) {
     e.bootstrap_port = parse_port(rest.substr(at + 1), what, text);
     rest = rest.substr(0, at);
@@ -736,8 +743,8 @@ std::chrono::milliseconds RetryBackoff::jittered(int retry, uint64_t random) con
       least + static_cast<int64_t>(random % static_cast<uint64_t>(whole - least + 1)));
 }
 
-Endpoint parse_endpoint(const std::string& text) {
-  return parse_endpoint_as(text, "endpoint");
+Endpoint parse_endpoint(const std::string& text, const std::string& what) {
+  return parse_endpoint_as(text, what);
 }
 
 Endpoint parse_endpoint_entry(const std::string& text, const std::string& path) {
@@ -752,12 +759,12 @@ Endpoint parse_endpoint_entry(const std::string& text, const std::string& path) 
   return e;
 }
 
-PdMode parse_mode(const std::string& text) {
-  return parse_mode_as(text, "mode");
+PdMode parse_mode(const std::string& text, const std::string& what) {
+  return parse_mode_as(text, what);
 }
 
-Dialect parse_dialect(const std::string& text) {
-  return parse_dialect_as(text, "dialect");
+Dialect parse_dialect(const std::string& text, const std::string& what) {
+  return parse_dialect_as(text, what);
 }
 
 const char* mode_name(PdMode mode) {

@@ -230,8 +230,9 @@ struct Topology {
 };
 
 // "HOST:PORT", "http://HOST:PORT" or, for a parallel-mode prefill engine,
-// "HOST:PORT@BOOTSTRAP_PORT". Throws tandem::Error naming the text otherwise.
-Endpoint parse_endpoint(const std::string& text);
+// "HOST:PORT@BOOTSTRAP_PORT". Throws tandem::Error naming the text otherwise, after `what` (the
+// flag or key the text came from).
+Endpoint parse_endpoint(const std::string& text, const std::string& what = "endpoint");
 // One engine as an entry of a topology file's `endpoints` list (a string as above, or a mapping
 // with url or host and port, bootstrap_port, group, name, max_in_flight, kv_events,
 // kv_events_replay), from its YAML or JSON text (JSON is YAML): the admin API reads new engines
@@ -239,10 +240,11 @@ Endpoint parse_endpoint(const std::string& text);
 // starts errors ("endpoint.port: expected a port 1..65535, got 65616"). Without a name it is
 // "HOST:PORT".
 Endpoint parse_endpoint_entry(const std::string& text, const std::string& path);
-// "aggregated", "sequential" (alias "vllm") or "parallel" (alias "sglang").
-PdMode parse_mode(const std::string& text);
+// "aggregated", "sequential" (alias "vllm") or "parallel" (alias "sglang"); errors start with
+// `what`, as parse_endpoint's.
+PdMode parse_mode(const std::string& text, const std::string& what = "mode");
 // "auto", "tandem", "vllm" or "sglang".
-Dialect parse_dialect(const std::string& text);
+Dialect parse_dialect(const std::string& text, const std::string& what = "dialect");
 const char* mode_name(PdMode mode);
 const char* dialect_name(Dialect dialect);
 

@@ -3,6 +3,7 @@
 // (net/http_client.h), and the OpenAI error body every HTTP error of Tandem carries.
 // Nothing of the wire code or the event loop here: this header is included by engine and gateway
 // code that should compile fast.
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -74,6 +75,12 @@ std::string url_host(std::string_view host);
 // A listen address as a socket takes it (::1, not [::1]: brackets belong to URLs); throws
 // tandem::Error naming `flag` for one in brackets, which no resolver takes.
 void check_socket_host(std::string_view flag, std::string_view host);
+// Whether a server could listen on host:port, told before the work that comes before its start
+// (a model's load, a stack's engines): throws tandem::Error naming `host_flag` for a host that
+// does not resolve or is not this machine's, `port_flag` for a port in use or privileged. A test
+// bind, not a reservation: the port is free again when this returns.
+void check_listen_address(std::string_view host_flag, const std::string& host,
+                          std::string_view port_flag, uint16_t port);
 
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);

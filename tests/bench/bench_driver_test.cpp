@@ -574,10 +574,11 @@ test::CommandResult run_tandem(const std::string& args) {
 }
 
 // A small run of each command: bench against a port nothing listens on (every request fails at
-// once, and the table is still printed), simulate in virtual time.
+// once, and the table is still printed; with --model, as without one bench stops when
+// /v1/models is not answered), simulate in virtual time.
 const char* const kSmallRuns[] = {
-    "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 --random-input-len 20 "
-    "--random-output-len 2",
+    "bench --no-progress --base-url http://127.0.0.1:1 --model m --num-prompts 2 "
+    "--random-input-len 20 --random-output-len 2",
     "simulate --num-prompts 2 --random-input-len 20 --random-output-len 2"};
 
 // vLLM's request defaults: ignore_eos only for the random dataset unless --ignore-eos, greedy
@@ -648,8 +649,10 @@ TEST(BenchCommands, AnOutputThatCannotBeWrittenIsRefusedBeforeTheRun) {
   std::filesystem::remove_all(dir);
 }
 
-// Each command with no workload flags: a case that is refused stops before anything runs.
-const char* const kBareRuns[] = {"bench --no-progress --base-url http://127.0.0.1:1", "simulate"};
+// Each command with no workload flags: a case that is refused stops before anything runs (bench
+// with --model: without one it stops when /v1/models is not answered).
+const char* const kBareRuns[] = {"bench --no-progress --base-url http://127.0.0.1:1 --model m",
+                                 "simulate"};
 
 std::string mooncake_head() {
   return (test::source_dir() / "tests" / "data" / "bench" / "mooncake_conversation_head200.jsonl")

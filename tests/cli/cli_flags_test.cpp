@@ -1,6 +1,10 @@
 // The `tandem` binary's answers to flags as a user meets them: range errors that say what is
 // wanted, checks that come before a model is written, and exit statuses a script can trust.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -35,6 +39,29 @@ std::string help_of(const std::string& help, const std::string& flag) {
     end = help.find('\n', end + 1);
   return help.substr(at, end == std::string::npos ? std::string::npos : end - at);
 }
+
+// A port another program listens on, for as long as this lives.
+class HeldPort {
+ public:
+  HeldPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof a;
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::listen(fd_, 8), 0);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &length);
+    port_ = ntohs(a.sin_port);
+  }
+  ~HeldPort() { ::close(fd_); }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  std::string port() const { return std::to_string(port_); }
+
+ private:
+  int fd_;
+  uint16_t port_ = 0;
+};
 
 // Values of the gateway's capacity flags that both `tandem gateway` and `tandem serve` refuse, and
 // what they say. A negative count read as the largest size_t (CLI11's strtoull), and a number past
@@ -90,17 +117,149 @@ TEST(CliFlags, ServeChecksItsFlagsBeforeWritingAPresetModel) {
   std::filesystem::create_directories(cache);
   const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
   for (const auto& [flags, said] : {
-           std::pair{"--prefill 0", "needs at least one decode engine"},
-           std::pair{"--decode 0", "needs at least one decode engine"},
+           std::pair{"--prefill 0", "--prefill 0: --mode parallel needs at least one prefill"},
+           std::pair{"--decode 0", "--decode: Value 0 not in range 1 to 64"},
+           // Silently dropped, where `tandem gateway` refuses prefill engines for aggregated mode.
+           std::pair{"--mode aggregated --prefill 3",
+                     "--prefill 3: --mode aggregated runs no prefill engines"},
+           // A typo's count of engines, each started until the host gave out.
+           std::pair{"--prefill 100000", "--prefill: Value 100000 not in range 0 to 64"},
+           std::pair{"--decode 65", "--decode: Value 65 not in range 1 to 64"},
+           std::pair{"--prefill -2", "--prefill: Value -2 not in range 0 to 64"},
+           std::pair{"--decode -1", "--decode: Value -1 not in range 1 to 64"},
            std::pair{"--policy no-such-policy", "no-such-policy"},
            std::pair{"--priority-classes /no/such/classes.yaml", "/no/such/classes.yaml"},
            std::pair{"--generation-config /no/such/folder", "--generation-config"},
        }) {
     const Result r = run(std::string("serve --model tiny-v3 --port 0 ") + flags, env);
-    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_NE(r.status, 0) << flags << ": " << r.output;  // 1, or CLI11's own for a range
     EXPECT_THAT(r.output, HasSubstr(said)) << flags;
     EXPECT_THAT(r.output, Not(HasSubstr("make-model"))) << flags;
     EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+}
+
+// A port in use or a host that does not resolve was found when the server started listening: after
+// the engine's model load, after serve had written its preset and loaded every engine. Both are
+// refused first, naming the flag and the address.
+TEST(CliFlags, AListenAddressInUseOrUnresolvedIsRefusedBeforeAnyModelWork) {
+  const std::filesystem::path cache = test::scratch_path("serve-cache-listen", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  const HeldPort held;
+  const std::string in_use = "--port " + held.port() + ": 127.0.0.1:" + held.port() + " is in use";
+  for (const auto& [args, said] : {
+           std::pair{"serve --model tiny-v3 --port " + held.port(), in_use},
+           std::pair{"engine --model sim:tiny --host 127.0.0.1 --port " + held.port(), in_use},
+           std::pair{std::string("serve --model tiny-v3 --port 0 --host 999.1.1.1"),
+                     std::string("--host '999.1.1.1': cannot resolve it")},
+           std::pair{std::string("serve --model tiny-v3 --port 0 --engine-host 999.1.1.1"),
+                     std::string("--engine-host '999.1.1.1': cannot resolve it")},
+           std::pair{std::string("engine --model sim:tiny --port 0 --host 999.1.1.1"),
+                     std::string("--host '999.1.1.1': cannot resolve it")},
+       }) {
+    const Result r = run(args, env);
+    EXPECT_EQ(r.status, 1) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + said)) << args;
+    EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << args << ": no engine started";
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << args << ": " << r.output;
+  }
+}
+
+// The gateway's flags were refused in a topology file's words ("endpoint: ...",
+// "prefill.endpoints: ...", "mode: ...") and a policy without any: each error names the flag.
+// A pasted OpenAI base URL (.../v1) is told the address to give.
+TEST(CliFlags, GatewayAndServeErrorsNameTheFlagGiven) {
+  const std::filesystem::path cache = test::scratch_path("serve-cache-flag-names", "");
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  for (const auto& [args, said] : {
+           std::pair{"gateway --port 0 --decode localhost",
+                     "tandem: error: --decode: expected HOST:PORT, http://HOST:PORT or "
+                     "HOST:PORT@BOOTSTRAP_PORT, got 'localhost'"},
+           std::pair{"gateway --port 0 --decode http://127.0.0.1:18041/v1",
+                     "tandem: error: --decode: expected HOST:PORT, http://HOST:PORT or "
+                     "HOST:PORT@BOOTSTRAP_PORT, got 'http://127.0.0.1:18041/v1': give the "
+                     "engine's address without a path, 'http://127.0.0.1:18041'"},
+           std::pair{"gateway --port 0 --mode parallel --prefill 127.0.0.1:1/v1 --decode "
+                     "127.0.0.1:2",
+                     "tandem: error: --prefill: expected "},
+           std::pair{"gateway --port 0 --mode parallel --decode 127.0.0.1:1",
+                     "tandem: error: gateway: --mode parallel needs at least one --prefill engine"},
+           std::pair{"gateway --port 0 --mode aggregated --prefill 127.0.0.1:1 --decode "
+                     "127.0.0.1:2",
+                     "tandem: error: gateway: --prefill: --mode aggregated takes no prefill "
+                     "engines"},
+           std::pair{"gateway --port 0 --mode paralel --decode 127.0.0.1:1",
+                     "tandem: error: --mode: expected aggregated, sequential (vllm) or parallel "
+                     "(sglang), got 'paralel'"},
+           std::pair{"gateway --port 0 --decode 127.0.0.1:1 --policy foo",
+                     "tandem: error: --policy: unknown scheduling policy 'foo'"},
+           std::pair{"serve --port 0 --mode foo", "tandem: error: --mode: expected aggregated"},
+           std::pair{"serve --port 0 --policy foo",
+                     "tandem: error: --policy: unknown scheduling policy 'foo'"},
+           std::pair{"bench --base-url http://127.0.0.1:1/v1",
+                     "tandem: error: --base-url: expected HOST:PORT"},
+       }) {
+    const Result r = run(args, env);
+    EXPECT_EQ(r.status, 1) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << args;
+  }
+  EXPECT_FALSE(std::filesystem::exists(cache));
+}
+
+// make-model read --seed -1 as 2^64 - 1 (bench and simulate refuse it); an empty
+// --served-model-name read as none given, the default name served instead.
+TEST(CliFlags, ASeedBelowZeroAndAnEmptyServedNameAreRefusedNamingTheFlag) {
+  const std::filesystem::path out = test::scratch_path("seed-minus-one", "");
+  const std::string cache = "XDG_CACHE_HOME=" + test::quote(test::scratch_path("empty-name", ""));
+  for (const auto& [args, said] : {
+           std::pair{"make-model --preset tiny-v3 --seed -1 --out " + test::quote(out),
+                     std::string("--seed: expected a seed in 0..18446744073709551615, got '-1'")},
+           std::pair{std::string("engine --model sim:tiny --port 0 --served-model-name ''"),
+                     std::string("tandem: error: --served-model-name: expected a name, got ''")},
+           std::pair{std::string("gateway --port 0 --decode 127.0.0.1:1 --served-model-name ''"),
+                     std::string("tandem: error: --served-model-name: expected a name, got ''")},
+           // (CLI11 refuses "--flag=" itself.)
+           std::pair{std::string("serve --port 0 --engine-arg=--served-model-name="),
+                     std::string("serve: --engine-arg: --served-model-name: ")},
+       }) {
+    const Result r = run(args, cache);
+    EXPECT_NE(r.status, 0) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << args;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// A mistyped subcommand was answered "A subcommand is required", naming neither the word nor the
+// subcommands; --version gave the same answer.
+TEST(CliFlags, AnUnknownSubcommandIsNamedAndVersionSaysTheCommit) {
+  const Result typo = run("servee --port 1");
+  EXPECT_EQ(typo.status, 1) << typo.output;
+  EXPECT_THAT(typo.output, HasSubstr("tandem: error: unknown subcommand 'servee'; the subcommands "
+                                     "are tokenize, detokenize, "));
+  EXPECT_THAT(typo.output, HasSubstr(", serve, bench, "));
+  EXPECT_THAT(typo.output, Not(HasSubstr("ep-rank"))) << "internal, not offered";
+  const Result version = run("--version");
+  EXPECT_EQ(version.status, 0) << version.output;
+  EXPECT_THAT(version.output, HasSubstr("tandem, built from commit "));
+  EXPECT_THAT(version.output, Not(HasSubstr("subcommand")));
+  // A subcommand's own flag still goes to it; no subcommand at all is still asked for.
+  EXPECT_THAT(run("").output, HasSubstr("A subcommand is required"));
+}
+
+// A model folder that does not exist was reported as a folder without tokenizer.json: said as
+// `generate --model` says it, naming the flag.
+TEST(CliFlags, AModelFolderThatDoesNotExistIsSaidToBeMissing) {
+  const std::string missing = test::scratch_path("no-such-model-folder", "").string();
+  for (const std::string& args : {
+           "engine --port 0 --model " + test::quote(missing),
+           "gateway --port 0 --decode 127.0.0.1:1 --model " + test::quote(missing),
+           "generate --prompt hi --model " + test::quote(missing),
+       }) {
+    const Result r = run(args);
+    EXPECT_NE(r.status, 0) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--model: Directory does not exist: " + missing)) << args;
+    EXPECT_THAT(r.output, Not(HasSubstr("tokenizer.json"))) << args;
   }
 }
 
@@ -396,6 +555,51 @@ TEST(CliFlags, UpstreamTimeoutsHelpShowsTheRangeItTakes) {
   }
 }
 
+// A duration's help type stacked each check's name, with bounds that disagreed and a rounded
+// maximum ("FLOAT:FINITE:>=0.001:FLOAT in [0 - 2.14748e+06]=120"): it says the range it takes.
+TEST(CliFlags, DurationFlagsHelpSaysTheirRangeOnce) {
+  const std::string engine = run("engine --help").output;
+  for (const char* flag : {"--kv-transfer-timeout", "--kv-transfer-handshake-timeout"})
+    EXPECT_THAT(help_of(engine, flag), HasSubstr(" FLOAT:SECONDS in [0.001 - 2147483.647]="))
+        << help_of(engine, flag);
+  for (const char* command : {"engine --help", "gateway --help", "serve --help"})
+    EXPECT_THAT(help_of(run(command).output, "--shutdown-timeout"),
+                HasSubstr(" FLOAT:SECONDS in [0 - 2147483]=30\n"))
+        << command;
+  // The checks still say what each refuses.
+  for (const auto& [args, said] : {
+           std::pair{"engine --model sim:tiny --kv-transfer-timeout 0.0001",
+                     "--kv-transfer-timeout: must be at least 0.001 seconds"},
+           std::pair{"engine --model sim:tiny --kv-transfer-timeout nan",
+                     "--kv-transfer-timeout: expected a finite number of seconds, got nan"},
+           std::pair{"engine --model sim:tiny --shutdown-timeout -1",
+                     "--shutdown-timeout: must be 0 or more, got -1"},
+           std::pair{"engine --model sim:tiny --shutdown-timeout 3e6",
+                     "--shutdown-timeout: Value 3e6 not in range"},
+       }) {
+    const Result r = run(args);
+    EXPECT_NE(r.status, 0) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << args;
+  }
+}
+
+// `tandem serve` listened on 8080 and `tandem bench` measured 8000 by default; and a bench whose
+// server was not there "ran" every request to its failure. It measures serve's port, and stops
+// at once, naming --base-url, when nothing answers its first question (/v1/models).
+TEST(CliFlags, BenchMeasuresServesPortAndStopsWhenNoServerAnswers) {
+  EXPECT_THAT(help_of(run("serve --help").output, "--port"), HasSubstr("=8080"));
+  EXPECT_THAT(help_of(run("bench --help").output, "--base-url"),
+              HasSubstr("=http://127.0.0.1:8080"));
+  // Port 1 refuses at once.
+  const Result r = run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 3");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tandem: error: --base-url http://127.0.0.1:1: no server "
+                                  "answered GET /v1/models ("));
+  EXPECT_THAT(r.output, HasSubstr("tandem serve listens on port 8080 by default"));
+  EXPECT_THAT(r.output, Not(HasSubstr("requests failed")));
+  EXPECT_THAT(r.output, Not(HasSubstr("Serving Benchmark Result")));
+}
+
 // A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when
 // its first request does), so a script or sweep sees it; the table and result file still tell
 // why. It exited 0 with a warning.
@@ -403,7 +607,7 @@ TEST(CliFlags, ABenchWhoseEveryRequestFailedExitsNonZero) {
   const std::filesystem::path result = test::scratch_path("all-failed");
   // Port 1 refuses at once.
   const Result r =
-      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 3 "
+      run("bench --no-progress --base-url http://127.0.0.1:1 --model m --num-prompts 3 "
           "--result-file " +
           test::quote(result.string()));
   EXPECT_EQ(r.status, 1) << r.output;

@@ -1248,7 +1248,9 @@ TEST(Cli, ShareGptRepeatsBeyondThePromptTokenBoundAreRefusedNamingTheFlag) {
 // workload's are: a chat endpoint sends text whatever --prompt-format says, and the access log
 // is read only for the HTML report.
 TEST(Cli, BenchRefusesFlagsItsRunWouldNotUse) {
-  const std::string bench = "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 ";
+  // (--model: without one bench stops when /v1/models is not answered.)
+  const std::string bench =
+      "bench --no-progress --base-url http://127.0.0.1:1 --model m --num-prompts 2 ";
   const auto log = write_temp("bench-unused-access.jsonl", "");
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--endpoint /v1/chat/completions --prompt-format ids",
@@ -1306,7 +1308,7 @@ TEST(Cli, SimulateRunsATopologyWithApiKeysOpenSayingSo) {
 TEST(Cli, ARunWhoseEveryRequestFailedSaysSo) {
   // Port 1 refuses at once.
   auto r =
-      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 "
+      run("bench --no-progress --base-url http://127.0.0.1:1 --model m --num-prompts 2 "
           "--request-rate 20");
   // The table still stands, but the run fails (cli_flags_test: the result file is written).
   EXPECT_EQ(r.status, 1) << r.output;
@@ -1334,7 +1336,7 @@ TEST(Cli, BenchAndSimulateTakeVllmsPrefixRepetitionSpelling) {
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("tandem simulate: 4 requests (prefix-repetition)"));
   EXPECT_THAT(r.output, HasSubstr("Successful requests:                     4"));
-  r = run("bench --no-progress --base-url http://127.0.0.1:1" + flags);
+  r = run("bench --no-progress --base-url http://127.0.0.1:1 --model m" + flags);
   EXPECT_THAT(r.output, HasSubstr("tandem bench: 4 requests (prefix-repetition)")) << r.output;
   r = run("simulate --num-prompts 2 --dataset-name prefix_repetitions");
   EXPECT_EQ(r.status, 1);
@@ -1395,8 +1397,9 @@ TEST(Cli, BenchWritesItsTableAndResultBeforeReadingTheAccessLog) {
   const auto result = test::scratch_path("bench_before_log", ".json");
   const auto html = test::scratch_path("bench_before_log", ".html");
   const auto r =
-      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 --access-log " + log +
-          " --result-file " + test::quote(result) + " --html " + test::quote(html));
+      run("bench --no-progress --base-url http://127.0.0.1:1 --model m --num-prompts 2 "
+          "--access-log " +
+          log + " --result-file " + test::quote(result) + " --html " + test::quote(html));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--access-log: access log " + log + ":1: not a JSON line"));
   EXPECT_THAT(r.output, HasSubstr("Serving Benchmark Result"));

@@ -30,6 +30,7 @@ namespace {
 
 using testing::eventually;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A serve process and what it printed; kills whatever a failed test leaves behind (serve and a
 // stopped engine), so that a failure is reported rather than hanging the test program.
@@ -288,6 +289,49 @@ TEST(ServeGatewayFlags, MaxAnswerBytesReachesEveryGatewayReplica) {
     EXPECT_THAT(r.body, HasSubstr("answer_too_large"));
   }
   EXPECT_EQ(serve.process().stop(), 0);
+}
+
+// A run stopped while it wrote a preset's model (a Ctrl-C in serve's first seconds) left its
+// DIR.partial-PID folder in the cache for good, the model's size each time; and the first run's
+// line named that folder, gone once renamed. The next run removes the folders whose process is
+// gone (a running writer's stays), and the line names the model's own folder. The engine fails
+// at its start here (serve does not read the secret file, which may be a pipe for the engine):
+// the model is written by then.
+TEST(ServePresetModel, StalePartialFoldersAreRemovedAndTheLineNamesTheModelsFolder) {
+  const std::filesystem::path cache = test::scratch_path("serve-partial-cache", "");
+  const std::filesystem::path models = cache / "tandem" / "models";
+  const auto dead = models / "tiny-v3.partial-999999999";  // past any pid_max
+  const auto running = models / ("tiny-v3.partial-" + std::to_string(::getpid()));
+  const auto other = models / "tiny-v2-lite.partial-999999999";  // another preset's: not this run's
+  for (const auto& dir : {dead, running, other}) std::filesystem::create_directories(dir);
+  // serve (run_serve's shell) with the test's cache; the test's own environment as it was.
+  const auto serve = [&cache](std::string& output) {
+    const char* const old = std::getenv("XDG_CACHE_HOME");
+    const std::string saved = old ? old : "";
+    ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+    const int status = run_serve({"--model", "tiny-v3", "--port", "0", "--mode", "aggregated",
+                                  "--engine-arg=--kv-transfer-secret-file=/no/such/secret"},
+                                 output);
+    if (old)
+      ::setenv("XDG_CACHE_HOME", saved.c_str(), 1);
+    else
+      ::unsetenv("XDG_CACHE_HOME");
+    return status;
+  };
+  std::string output;
+  EXPECT_NE(serve(output), 0) << output;
+  EXPECT_THAT(output, HasSubstr("make-model: wrote " + (models / "tiny-v3").string() + " ("));
+  EXPECT_THAT(output, Not(HasSubstr(".partial-"))) << output;
+  EXPECT_TRUE(std::filesystem::exists(models / "tiny-v3" / "config.json")) << output;
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_TRUE(std::filesystem::exists(running));
+  EXPECT_TRUE(std::filesystem::exists(other));
+  // A run that finds the model written still sweeps.
+  std::filesystem::create_directories(dead);
+  output.clear();
+  serve(output);
+  EXPECT_FALSE(std::filesystem::exists(dead)) << output;
+  std::filesystem::remove_all(cache);
 }
 
 }  // namespace

@@ -1438,6 +1438,36 @@ TEST(Dispatcher, ARateLimitAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// SGLang's stream handlers send a scheduler's abort as the stream's first event under the 200
+// (create_streaming_error_response with the abort's status): a full queue (--max-queued-requests)
+// or an eviction by a higher priority is {"type": "SERVICE_UNAVAILABLE", "code": 503}. That is the
+// engine being full, a refusal as its 503 answer is: retried elsewhere, no engine blamed, and once
+// retries are spent the client gets the 503 with the engine's error. It was the engine's failure,
+// counted toward its ejection, and the client got a 502. Some proxies send the code as a string.
+TEST(Dispatcher, AFullQueueAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
+  const std::string queue_full =
+      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","param":null,"code":503}})";
+  const std::string as_string =
+      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":"503"}})";
+  Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
+  auto client = c.send(true);
+  auto first = c.engines.open("/v1/completions").at(0);
+  ASSERT_EQ(host_of(*first), "a");
+  FakeEngines::stream(*first, net::sse_event(queue_full) + std::string(net::kSseDone));
+  c.clock.run_ready();
+  const auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "b");
+  EXPECT_FALSE(client->complete());
+  FakeEngines::stream(*retry[0], net::sse_event(as_string) + std::string(net::kSseDone));
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 503);
+  EXPECT_EQ(client->body, as_string);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"503\"}"), 1);
+  expect_no_engine_blamed(c);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // ------------------------------------------------------------------------------- timeouts
 
 TEST(Dispatcher, TheFirstTokenTimeoutCancelsTheLegAndRetriesElsewhere) {
