@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -56,6 +57,20 @@ std::vector<std::string> model_paths(std::string_view id) {
   return paths;
 }
 
+net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model) {
+  static constexpr std::string_view kPrefix = "/v1/models/";
+  const std::vector<std::string> paths = model_paths(model.id);
+  net::HttpResponse r;
+  if (std::find(paths.begin(), paths.end(), path) != paths.end()) {
+    r.body = model_json(model);
+    return r;
+  }
+  const ApiError e = model_not_found(path.substr(std::min(path.size(), kPrefix.size())));
+  r.status = e.status;
+  r.body = api_error_body(e);
+  return r;
+}
+
 namespace {
 
 // The list body's `data` array, or nullopt when the body is not a model list.
@@ -84,9 +99,12 @@ std::optional<std::string> first_model_id(std::string_view body) {
 
 std::optional<int64_t> max_model_len_of(std::string_view body) {
   const std::optional<json> data = models_of(body);
-  if (!data) return std::nullopt;
+  return data ? max_model_len_of(*data) : std::nullopt;
+}
+
+std::optional<int64_t> max_model_len_of(const json& data) {
   std::optional<int64_t> least;
-  for (const json& m : *data) {
+  for (const json& m : data) {
     if (!m.is_object()) continue;
     const auto len = m.find("max_model_len");
     if (len == m.end() || !len->is_number_integer() || len->get<int64_t>() <= 0) continue;

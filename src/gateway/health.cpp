@@ -33,16 +33,6 @@ bool refuses_unknown_names(Dialect dialect, const ModelListSummary& list) {
   return dialect == Dialect::kAuto && list.owned_by_refusing_server;
 }
 
-// Whether `key` (an engine's name and address, and what is said of it) is new to this process:
-// the gateway's replicas (--gateways N) each check every engine, and a line about the engine
-// itself says nothing more the second time. Any thread.
-bool first_in_process(const std::string& key) {
-  static std::mutex mutex;
-  static std::set<std::string> said;
-  std::lock_guard lock(mutex);
-  return said.insert(key).second;
-}
-
 // The string value of `object`'s field `key`, or null.
 const std::string* string_field(const nlohmann::json& object, const char* key) {
   const auto it = object.find(key);
@@ -50,6 +40,16 @@ const std::string* string_field(const nlohmann::json& object, const char* key) {
 }
 
 }  // namespace
+
+bool SaidOnce::first(const std::string& key) {
+  std::lock_guard lock(mutex_);
+  return said_.insert(key).second;
+}
+
+SaidOnce& SaidOnce::process() {
+  static SaidOnce said;
+  return said;
+}
 
 ModelListSummary read_model_list(std::string_view body, const std::string& model) {
   ModelListSummary list;
@@ -77,6 +77,7 @@ ModelListSummary read_model_list(std::string_view body, const std::string& model
     if (shown++ < 4) list.listed += (list.listed.empty() ? "'" : ", '") + utf8::clip(*id) + "'";
   }
   list.more = shown > 4;
+  list.max_model_len = api::max_model_len_of(*data).value_or(0);
   return list;
 }
 
@@ -91,7 +92,7 @@ std::string HealthMonitor::not_serving(const EndpointState& e,
   if (model.empty() || !list || list->lists_model) return {};
   const std::string engine = e.config.name + " (" + address_key(e.config) + ")";
   if (!list->unreadable.empty()) {
-    if (first_in_process("unreadable " + engine))
+    if (said_.first("unreadable " + engine + ": " + list->unreadable))
       std::fprintf(stderr,
                    "tandem gateway: engine %s: its GET /v1/models answer is no model list (%s); "
                    "kept, its model not checked\n",
@@ -104,7 +105,7 @@ std::string HealthMonitor::not_serving(const EndpointState& e,
                             ", not the gateway's served_model_name '" + model + "'";
   if (refuses_unknown_names(e.dialect, *list))
     return lists + " (each request would be refused as for an unknown model)";
-  if (first_in_process("kept " + engine))
+  if (said_.first("kept " + engine + ": " + lists))
     std::fprintf(stderr,
                  "tandem gateway: engine %s: %s; kept: it is no Tandem or vLLM engine (dialect "
                  "%s, no owned_by \"tandem\" or \"vllm\"), and such servers (SGLang, TGI, "
@@ -114,12 +115,14 @@ std::string HealthMonitor::not_serving(const EndpointState& e,
 }
 
 HealthMonitor::HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
-                             EndpointTable& endpoints, std::function<void()> changed)
+                             EndpointTable& endpoints, std::function<void()> changed,
+                             SaidOnce& said)
     : topo_(topology),
       exec_(executor),
       upstream_(upstream),
       endpoints_(endpoints),
-      changed_(std::move(changed)) {}
+      changed_(std::move(changed)),
+      said_(said) {}
 
 void HealthMonitor::start() {
   // An engine that joins from now on is probed at once, not at the next interval: it takes no
@@ -175,19 +178,19 @@ void HealthMonitor::ask_length(int id) {
   const Upstream::CallId call = get_whole_answer(
       upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes,
       [this, id, model = topo_.served_model_name](const EngineAnswer& a) {
-        // A 4xx or a body without the field is an answer (a server that does not say), and so
-        // is a 200 too large to be a model list (nothing learned from it); a transport error or
-        // a 5xx is none, and the next probe asks again.
+        // A 4xx (whatever its size) or a body without the field is an answer (a server that
+        // does not say), and so is a 200 too large to be a model list (nothing learned from
+        // it); a transport error or a 5xx is none, and the next probe asks again.
         std::optional<int64_t> length;
         std::optional<ModelListSummary> list;  // a 200's, read here for the model
+        const bool answered = a.error.empty() || a.too_large;
         if (a.too_large && a.status == 200) {
           length = 0;
           list.emplace().unreadable = a.error;
-        } else if (a.error.empty() && a.status == 200) {
-          if (!model.empty()) list = read_model_list(a.body, model);
-          length =
-              list && !list->unreadable.empty() ? 0 : api::max_model_len_of(a.body).value_or(0);
-        } else if (a.error.empty() && a.status >= 400 && a.status < 500) {
+        } else if (answered && a.status == 200) {
+          list = read_model_list(a.body, model);
+          length = list->max_model_len;
+        } else if (answered && a.status >= 400 && a.status < 500) {
           length = 0;
         }
         exec_.post([this, id, length, list = std::move(list)] {

@@ -7,7 +7,9 @@
 // the engines that report their load or may (dialect auto). Calls go through the Upstream seam,
 // timers through the Executor: tests drive both without sockets or clocks.
 #include <functional>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -29,17 +31,37 @@ struct ModelListSummary {
   bool more = false;         // it lists more than those
   // An entry says owned_by "tandem" or "vllm": servers that refuse a model they do not list.
   bool owned_by_refusing_server = false;
+  int64_t max_model_len = 0;  // the least its entries say (api::max_model_len_of); 0: none says
 };
-// Reads `body`, a 200 answer to GET /v1/models, for `model` (the served_model_name).
+// Reads `body`, a 200 answer to GET /v1/models, for `model` (the served_model_name; empty: the
+// gateway names none, and only the longest sequence is read).
 ModelListSummary read_model_list(std::string_view body, const std::string& model);
+
+// Lines said once however many gateway replicas (--gateways N) check the same engine: such a
+// line says a fact of the engine, not of a replica. Keyed by what is said (the engine's name,
+// address and what its answer showed), so that an engine that comes back answering otherwise is
+// said again. Thread-safe.
+class SaidOnce {
+ public:
+  // True the first time `key` is asked.
+  bool first(const std::string& key);
+  // The process's: the gateway's replicas share it.
+  static SaidOnce& process();
+
+ private:
+  std::mutex mutex_;
+  std::set<std::string> said_;
+};
 
 class HealthMonitor {
  public:
   // `changed` runs (on the scheduling thread) when an engine was readmitted or reported a fresh
   // load (waiting requests may start now), or was ejected (those it leaves without an engine are
   // answered now, not at their queue timeout).
+  // `said` keeps the lines said once (a test gives its own).
   HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
-                EndpointTable& endpoints, std::function<void()> changed);
+                EndpointTable& endpoints, std::function<void()> changed,
+                SaidOnce& said = SaidOnce::process());
 
   // Scheduling thread: probes every engine now, then at every interval; polls loads likewise
   // (when scheduling.load_interval > 0).
@@ -62,6 +84,7 @@ class HealthMonitor {
   Upstream& upstream_;
   EndpointTable& endpoints_;
   std::function<void()> changed_;
+  SaidOnce& said_;
 };
 
 }  // namespace tandem::gateway

@@ -102,13 +102,15 @@ Topology one_engine(Dialect dialect) {
   return t;
 }
 
-// The gateway's health parts as Gateway wires them: the topology's engines join first.
+// The gateway's health parts as Gateway wires them: the topology's engines join first. The lines
+// said once are this monitor's, or `shared`'s (replicas of one process).
 struct Monitor {
-  explicit Monitor(Topology t)
+  explicit Monitor(Topology t, SaidOnce* shared = nullptr)
       : topo(std::move(t)),
         metrics(registry),
         endpoints(topo, metrics, index),
-        health(topo, clock, engines, endpoints, [this] { ++changes; }) {
+        health(
+            topo, clock, engines, endpoints, [this] { ++changes; }, shared ? *shared : said) {
     for (const auto& e : topo.decode.endpoints) endpoints.add(false, e);
   }
   int id_of(const std::string& name) const {
@@ -137,6 +139,7 @@ struct Monitor {
   }
 
   Topology topo;
+  SaidOnce said;
   VirtualExecutor clock;
   Engines engines;
   std::unique_ptr<Policy> policy = make_policy("least_load");
@@ -215,30 +218,69 @@ TEST(HealthMonitor, AModelListThatIsNoListKeepsTheEngineAndIsNotAskedAgain) {
   }
 }
 
+// A 4xx is an answer however large its body (a server without GET /v1/models): the engine is
+// kept and not asked again. One too large to read was taken for a failed call, asked again at
+// every probe. A 200's list is read once for the model and the longest sequence.
+TEST(HealthMonitor, ATooLarge4xxIsAnAnswerAndAListsLongestSequenceIsRead) {
+  Monitor m(one_engine(Dialect::kVllm));
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 404, std::string(size_t{2} << 20, 'x'));
+  EXPECT_TRUE(m.state("a").healthy);
+  EXPECT_EQ(m.state("a").length_query, LengthQuery::kAnswered);
+  m.clock.advance_by(m.topo.health.probe_interval);
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  EXPECT_TRUE(m.engines.open("a.engines", "/v1/models").empty());
+
+  json list = json::parse(list_of("m", "vllm"));
+  list["data"][0]["max_model_len"] = 4096;
+  EXPECT_EQ(read_model_list(list.dump(), "m").max_model_len, 4096);
+  EXPECT_EQ(read_model_list(list.dump(), "").max_model_len, 4096);
+  Monitor n(one_engine(Dialect::kVllm));
+  n.health.start();
+  n.clock.run_ready();
+  n.checked("a", 200, list.dump());
+  EXPECT_EQ(n.state("a").max_model_len, 4096);
+}
+
 // ------------------------------------------------------------------------ the kept line
 
 // Gateway replicas (--gateways N) each check every engine: the line keeping an engine that lists
 // another model but serves any name (SGLang) names its address and is said once in the process.
+// An engine removed and added again at the same name and address that lists other models is said
+// again: the line says what it lists.
 TEST(HealthMonitor, TheLineKeepingAnEngineThatServesAnyNameIsSaidOncePerProcessWithItsAddress) {
   Topology t = one_engine(Dialect::kSglang);
   t.decode.endpoints = {engine("kept-once")};
-  ::testing::internal::CaptureStderr();
-  for (int replica = 0; replica < 3; ++replica) {
-    Monitor m(t);
-    m.health.start();
-    m.clock.run_ready();
-    m.checked("kept-once", 200, list_of("/models/DeepSeek-V3", "sglang"));
-    EXPECT_TRUE(m.state("kept-once").healthy);
-  }
-  const std::string said = ::testing::internal::GetCapturedStderr();
-  size_t lines = 0;
-  for (size_t at = said.find("kept:"); at != std::string::npos; at = said.find("kept:", at + 1))
-    ++lines;
-  EXPECT_EQ(lines, 1u) << said;
+  SaidOnce process;
+  auto lines_said = [&](const std::string& listed, int replicas) {
+    ::testing::internal::CaptureStderr();
+    for (int replica = 0; replica < replicas; ++replica) {
+      Monitor m(t, &process);
+      m.health.start();
+      m.clock.run_ready();
+      m.checked("kept-once", 200, list_of(listed, "sglang"));
+      EXPECT_TRUE(m.state("kept-once").healthy);
+    }
+    return ::testing::internal::GetCapturedStderr();
+  };
+  auto count = [](const std::string& said) {
+    size_t lines = 0;
+    for (size_t at = said.find("kept:"); at != std::string::npos; at = said.find("kept:", at + 1))
+      ++lines;
+    return lines;
+  };
+  const std::string said = lines_said("/models/DeepSeek-V3", 3);
+  EXPECT_EQ(count(said), 1u) << said;
   EXPECT_NE(said.find("engine kept-once (kept-once.engines:8000): its GET /v1/models lists "
                       "'/models/DeepSeek-V3'"),
             std::string::npos)
       << said;
+  const std::string again = lines_said("/models/Qwen3-8B", 2);
+  EXPECT_EQ(count(again), 1u) << again;
+  EXPECT_NE(again.find("lists '/models/Qwen3-8B'"), std::string::npos) << again;
+  EXPECT_EQ(count(lines_said("/models/DeepSeek-V3", 1)), 0u);
 }
 
 // ------------------------------------------------------------------------ new engines
