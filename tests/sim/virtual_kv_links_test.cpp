@@ -447,7 +447,8 @@ TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheShorterPrefillTimeoutPassedIsR
     ADD_FAILURE() << "open_room accepted a room whose decode leg was refused";
   } catch (const KvTransferError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "no prefill request with bootstrap_room 7 arrived within 10 s");
+              "bootstrap_room 7 expired: its decode request waited 10 s for this prefill request "
+              "and was failed");
     EXPECT_TRUE(e.room_abandoned);
   }
   run_until(100);
