@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: sets everything up and runs the whole serving stack on the built-in default
-# model with one command, `tandem serve`: a gateway on port ${PORT:-8000} in front of one
+# model with one command, `tandem serve`: a gateway on port ${PORT:-8080} in front of one
 # prefill and one decode engine (P/D disaggregated, KV handed over layer by layer, KV events
 # feeding the gateway's prefix index), each a child process; its live dashboard is at
 # /dashboard. With no --model, serve uses `tiny-v3` (DeepSeek-V3 architecture, random weights, the
@@ -9,7 +9,7 @@
 # then keeps serving until Ctrl-C. `--once` stops after the demonstration requests.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-port="${PORT:-8000}"
+port="${PORT:-8080}"
 "$root/scripts/install-deps.sh"
 cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$root/build" -j "$(nproc)" --target tandem
