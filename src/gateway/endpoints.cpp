@@ -356,13 +356,23 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (!e) return false;
   e->probing = false;
   if (!ok) {
-    // A new engine that fails its first probe has no model list to check: it is held no longer,
-    // and its failures decide (failures_to_eject), as for any engine.
-    const bool held = checked(*e);
     const bool was_healthy = e->healthy, was_failing = e->probe_failed;
     e->probe_failed = true;
+    if (e->unchecked && e->healthy) {
+      // A new engine that fails its first probe (one still loading its model refuses
+      // connections) is not admitted: with its limit it would take requests that fail until
+      // failures_to_eject. Out of routing as an ejected engine, it is probed at each interval;
+      // one that passes is readmitted and stays held until its model list answered.
+      std::fprintf(stderr,
+                   "tandem gateway: engine %s (%s) not admitted: its first health probe failed; "
+                   "a passing probe admits it once its model list answered\n",
+                   e->config.name.c_str(), address_key(e->config).c_str());
+      e->healthy = false;
+      e->healthy_gauge->set(0);
+      update_ready();
+    }
     failure(*e, "a failed health probe");
-    return held || (!e->healthy && (was_healthy || !was_failing));
+    return !e->healthy && (was_healthy || !was_failing);
   }
   e->probe_failed = false;
   e->probe_passed = now;
@@ -374,8 +384,11 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     return false;
   }
   if (e->healthy) return false;
-  std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: its health probe passed\n",
-               e->config.name.c_str(), address_key(e->config).c_str());
+  std::fprintf(stderr, "tandem gateway: engine %s (%s) %s\n", e->config.name.c_str(),
+               address_key(e->config).c_str(),
+               e->unchecked ? "passed its first health probe; its model list is asked before it "
+                              "takes requests"
+                            : "readmitted: its health probe passed");
   readmit(*e, now);
   return true;
 }

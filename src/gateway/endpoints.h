@@ -62,8 +62,9 @@ struct EndpointState {
   // and its first check has not ended: its health probe, and once that passed its model list.
   // Until then its in-flight limit is 0: requests wait for it or take another engine, so an
   // engine the check ejects (serving another model) takes no requests first. Each call of the
-  // check is cut at health.probe_timeout, so this ends within twice that of joining, whatever
-  // the engine answers (a failed probe, or a model list that is no answer, ends it too).
+  // check is cut at health.probe_timeout, so once its probe passed this ends within that
+  // timeout, whatever the list call answers (a model list that is no answer ends it too). One
+  // whose first probe fails is out of routing meanwhile, as an ejected engine (not healthy).
   bool unchecked = false;
   // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
   // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
@@ -180,9 +181,8 @@ class EndpointTable {
 
   // Health probe and load poll results; true when the engine's state changed so that waiting
   // requests may now start (readmitted, or a fresher load report) or have no engine left
-  // (ejected by its probes), or an ejected engine's probes began to fail, or an unchecked engine's
-  // first check ended (a failed probe, or its model list's call): the caller dispatches again
-  // (engines_changed).
+  // (ejected by its probes, or an unchecked engine's first probe failed), or an ejected engine's
+  // probes began to fail: the caller dispatches again (engines_changed).
   bool probe_result(int id, bool ok, Clock::time_point now);
   bool load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
                    Clock::time_point now);

@@ -328,10 +328,10 @@ TEST(HealthMonitor, AnEngineThatJoinsTakesNoRequestBeforeItsFirstCheckEnded) {
   EXPECT_EQ(c.endpoint, m.id_of("right"));
 }
 
-// The hold is bounded: whatever the engine answers, or if it does not, its first check ends
-// within two probe timeouts and today's rules decide. Without GET /v1/models (llama.cpp: 404) it
-// is admitted; a list call that never ends is cut at the probe timeout and it is admitted (asked
-// again at its next probe); a failed first probe ends the hold too (failures_to_eject decides).
+// The hold is bounded: whatever the engine answers to its model list, or if it does not, its
+// first check ends within a probe timeout of its passing probe and today's rules decide. Without
+// GET /v1/models (llama.cpp: 404) it is admitted; a list call that never ends is cut at the probe
+// timeout and it is admitted (asked again at its next probe).
 TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsAnswer) {
   Monitor m(one_engine(Dialect::kAuto));
   m.health.start();
@@ -340,7 +340,6 @@ TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsA
 
   m.endpoints.add(false, engine("no-list"));
   m.endpoints.add(false, engine("silent"));
-  m.endpoints.add(false, engine("down"));
   m.clock.run_ready();
   m.checked("no-list", 404, R"({"error": "Not Found"})");
   EXPECT_FALSE(m.state("no-list").unchecked);
@@ -348,11 +347,7 @@ TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsA
   EXPECT_EQ(m.limit_of("no-list"), 4);
 
   ASSERT_TRUE(m.engines.answer("silent.engines", "/health", 200, ""));
-  ASSERT_TRUE(m.engines.answer("down.engines", "/health", 503, ""));
   m.clock.run_ready();
-  EXPECT_FALSE(m.state("down").unchecked);
-  EXPECT_TRUE(m.state("down").healthy);  // one failure of the two that eject it
-  EXPECT_EQ(m.limit_of("down"), 4);
   ASSERT_EQ(m.engines.open("silent.engines", "/v1/models").size(), 1u);
   EXPECT_EQ(m.limit_of("silent"), 0);
   m.clock.advance_by(m.topo.health.probe_timeout);
@@ -361,6 +356,56 @@ TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsA
   EXPECT_FALSE(m.state("silent").unchecked);
   EXPECT_EQ(m.limit_of("silent"), 4);
   EXPECT_EQ(m.state("silent").length_query, LengthQuery::kToAsk);
+}
+
+// An engine added while it still loads its model refuses its first probe (connection refused): it
+// is not admitted, as with its limit it would take requests that fail until failures_to_eject. It
+// is out of routing as an ejected engine (requests take another engine); a later passing probe
+// readmits it and asks its model list, and that answer admits it. The topology's engines are not
+// held: one failing its first probe keeps its limit until failures_to_eject.
+TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAProbePasses) {
+  Topology t = one_engine(Dialect::kVllm);
+  t.decode.endpoints = {engine("a"), engine("b")};
+  Monitor m(t);
+  m.health.start();
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  EXPECT_TRUE(m.state("a").healthy);  // one failure of the two that eject it
+  EXPECT_EQ(m.limit_of("a"), 4);
+  m.checked("b", 200, list_of("m", "vllm"));
+  m.endpoints.drain(m.id_of("a"));
+
+  m.endpoints.add(false, engine("loading"));
+  m.clock.run_ready();
+  const auto probes = m.engines.open("loading.engines", "/health");
+  ASSERT_EQ(probes.size(), 1u);
+  const int before = m.changes;
+  Engines::end(*probes[0], "connect: Connection refused");
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("loading").healthy);
+  EXPECT_TRUE(m.state("loading").unchecked);
+  EXPECT_GT(m.changes, before);  // the requests waiting for it are looked at again
+  Choice c = m.choice();
+  EXPECT_EQ(c.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(c.endpoint, m.id_of("b"));
+
+  // Still loading at the next interval; then it answers.
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("loading").healthy);
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  EXPECT_TRUE(m.state("loading").healthy);
+  EXPECT_EQ(m.limit_of("loading"), 0);  // held until its list answered
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/v1/models", 200, list_of("m", "vllm")));
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("loading").unchecked);
+  EXPECT_GT(m.limit_of("loading"), 0);
 }
 
 }  // namespace
