@@ -105,7 +105,7 @@ int EndpointTable::add(bool prefill, Endpoint endpoint) {
 }
 
 void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
-                         std::unique_ptr<KvEventsConsumer> consumer) {
+                         std::unique_ptr<KvEventsConsumer> consumer, bool replaces_checked) {
   EndpointState s;
   s.id = id;
   s.prefill = prefill;
@@ -114,7 +114,7 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   s.dialect = pool.dialect;
   s.load_source = initial_load_source(pool.dialect);
   s.config = std::move(endpoint);
-  s.unchecked = static_cast<bool>(on_join_);
+  s.unchecked = on_join_ && !replaces_checked;
   const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
   // An engine of this name still draining gives its gauges up to the newcomer (the series are
   // the name's) and writes to a gauge of its own from now on.
@@ -604,6 +604,7 @@ EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
     Endpoint endpoint;
     int id;
     std::unique_ptr<KvEventsConsumer> consumer;
+    bool replaces_checked = false;  // an engine at its name and address that passed its checks
   };
   std::vector<int> drop;
   std::vector<Joining> joining;
@@ -629,8 +630,16 @@ EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
           return kv.second.prefill == prefill && !kv.second.draining && same(w, kv.second);
         });
         if (have) continue;
+        // The same engine (name and address) under the pool's new settings was checked already,
+        // unless it was ejected or its own first check is still under way.
+        const bool replaces_checked =
+            std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+              const EndpointState& e = kv.second;
+              return e.prefill == prefill && !e.draining && e.config.name == w.name &&
+                     address_key(e.config) == address_key(w) && e.healthy && !e.unchecked;
+            });
         const int id = next_id_++;
-        joining.push_back({prefill, w, id, nullptr});
+        joining.push_back({prefill, w, id, nullptr, replaces_checked});
         joining.back().consumer = consumer_for(id, w);
       }
     }
@@ -648,7 +657,7 @@ EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
   ReloadResult result;
   for (int id : drop) result.removed += drain(id) ? 1 : 0;
   for (auto& j : joining) {
-    join(j.prefill, std::move(j.endpoint), j.id, std::move(j.consumer));
+    join(j.prefill, std::move(j.endpoint), j.id, std::move(j.consumer), j.replaces_checked);
     ++result.added;
   }
   return result;

@@ -238,8 +238,11 @@ class EndpointTable {
   // The KV-event consumer engine `id` would have (null without kv_events). Throws when it cannot
   // be built, leaving the index without the engine.
   std::unique_ptr<KvEventsConsumer> consumer_for(int id, const Endpoint& endpoint);
-  // Adds an engine whose consumer, if any, is built already.
-  void join(bool prefill, Endpoint endpoint, int id, std::unique_ptr<KvEventsConsumer> consumer);
+  // Adds an engine whose consumer, if any, is built already. `replaces_checked`: it replaces an
+  // engine of the same name and address that passed its checks (a reload that changed the pool's
+  // limit or dialect), so it is not held for a first check (EndpointState::unchecked).
+  void join(bool prefill, Endpoint endpoint, int id, std::unique_ptr<KvEventsConsumer> consumer,
+            bool replaces_checked = false);
   static int64_t limit_of(const Endpoint& e, const PoolSettings& pool) {
     return e.max_in_flight > 0 ? e.max_in_flight : pool.max_in_flight;
   }

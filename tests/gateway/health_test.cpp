@@ -408,5 +408,24 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
   EXPECT_GT(m.limit_of("loading"), 0);
 }
 
+// A reload that changes a pool's max_in_flight replaces each of its engines: one at the name and
+// address of an engine that passed its checks is not held again, while a new engine is.
+TEST(HealthMonitor, AnEngineAReloadReplacesWithNewSettingsIsNotHeldAgain) {
+  Monitor m(one_engine(Dialect::kVllm));
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "vllm"));
+  Topology next = m.topo;
+  next.decode.max_in_flight = 8;
+  next.decode.endpoints = {engine("a"), engine("new")};
+  const EndpointTable::ReloadResult r = m.endpoints.reload(next);
+  EXPECT_EQ(r.added, 2);
+  EXPECT_EQ(r.removed, 1);
+  EXPECT_FALSE(m.state("a").unchecked);
+  EXPECT_EQ(m.limit_of("a"), 8);
+  EXPECT_TRUE(m.state("new").unchecked);
+  EXPECT_EQ(m.limit_of("new"), 0);
+}
+
 }  // namespace
 }  // namespace tandem::gateway
