@@ -23,6 +23,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -33,6 +34,9 @@
 #include "api/error.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/request_record.h"
+#include "net/http_client.h"
+#include "net/http_server.h"
+#include "net/reply.h"
 #include "util/bounded_wait.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -343,7 +347,8 @@ class Client final : public ClientReply {
 // Each line says who asked (client_address) and how many response body bytes it was given
 // (body_bytes_sent, nginx's): a whole answer's, an error's (the OpenAI body the gateway's server
 // writes), a stream's chunks up to where the client left (a chunk it could not take is not
-// counted). A request whose reply counts nothing says 0 and no address.
+// counted), a refusal's with header fields. A request whose reply counts nothing says 0 and no
+// address.
 TEST(AccessLogLine, SaysTheClientsAddressAndTheBodyBytesItWasGiven) {
   Topology topo;
   net::HttpRequest req;
@@ -366,6 +371,21 @@ TEST(AccessLogLine, SaysTheClientsAddressAndTheBodyBytesItWasGiven) {
   EXPECT_EQ(line_of(*error)["body_bytes_sent"],
             api::openai_error_response(503, "no engine", "server_error", "").body.size());
 
+  // A refusal with header fields (the gateway's 429 with Retry-After) counts its body; one the
+  // client was gone for counts nothing.
+  auto refused_client = std::make_shared<Client>();
+  Request refused;
+  refused.times.mark(Phase::kReceived, 0);
+  set_client(refused, req, refused_client);
+  net::HttpResponse busy = api::openai_error_response(429, "busy", "", "");
+  busy.headers.set("Retry-After", "1");
+  const size_t busy_size = busy.body.size();
+  ASSERT_TRUE(refused.reply->respond_with_headers(busy));
+  EXPECT_EQ(line_of(refused)["body_bytes_sent"], busy_size);
+  refused_client->gone = true;
+  EXPECT_FALSE(refused.reply->respond_with_headers(busy));
+  EXPECT_EQ(line_of(refused)["body_bytes_sent"], busy_size);
+
   auto client = std::make_shared<Client>();
   Request stream;
   stream.times.mark(Phase::kReceived, 0);
@@ -381,6 +401,63 @@ TEST(AccessLogLine, SaysTheClientsAddressAndTheBodyBytesItWasGiven) {
   uncounted.times.mark(Phase::kReceived, 0);
   EXPECT_EQ(line_of(uncounted)["body_bytes_sent"], 0);
   EXPECT_FALSE(line_of(uncounted).contains("client_address"));
+}
+
+// body_bytes_sent is what a real client receives through the gateway's server (its OpenAI error
+// body, ErrorFormatter api::openai_error_response), not a size the test computes as the code
+// does: a whole answer, an error, a 429 with Retry-After, and a stream's chunks.
+TEST(AccessLogLine, TheBodyBytesSentAreThoseAClientReceivedFromTheServer) {
+  net::HttpServerOptions o;
+  o.host = "127.0.0.1";
+  o.error_response = api::openai_error_response;
+  net::HttpServer server(o);
+  // Each request's count, once its handler's reply calls returned (and so were counted).
+  std::mutex mutex;
+  std::map<std::string, std::promise<uint64_t>> counted;
+  auto route = [&](const std::string& path, std::function<void(net::Reply&)> answer) {
+    counted[path];
+    server.route(
+        "GET", path,
+        [&, path, answer](const net::HttpRequest& req, std::shared_ptr<net::Exchange> exchange) {
+          Request r;
+          set_client(r, req, std::make_shared<net::ExchangeReply>(std::move(exchange)));
+          answer(*r.reply);
+          std::lock_guard lock(mutex);
+          counted[path].set_value(r.body_bytes_sent->load());
+        });
+  };
+  route("/whole",
+        [](net::Reply& reply) { reply.respond(200, std::string(1234, 'x'), "text/plain"); });
+  route("/error",
+        [](net::Reply& reply) { reply.send_error(503, "no engine", "server_error", ""); });
+  route("/busy", [](net::Reply& reply) {
+    net::HttpResponse busy = api::openai_error_response(429, "busy", "", "");
+    busy.headers.set("Retry-After", "1");
+    reply.respond_with_headers(std::move(busy));
+  });
+  route("/stream", [](net::Reply& reply) {
+    reply.start_stream(200, "text/event-stream");
+    reply.write("data: {\"a\": 1}\n\n");
+    reply.write("data: {\"b\": 2}\n\n");
+    reply.write("data: [DONE]\n\n");
+    reply.end();
+  });
+  server.start();
+  for (const std::string path : {"/whole", "/error", "/busy", "/stream"}) {
+    SCOPED_TRACE(path);
+    const net::HttpClientResponse got = net::http_request("127.0.0.1", server.port(), "GET", path);
+    std::future<uint64_t> count;
+    {
+      std::lock_guard lock(mutex);
+      count = counted[path].get_future();
+    }
+    EXPECT_GT(got.body.size(), 0u);
+    EXPECT_EQ(count.get(), got.body.size()) << got.body;
+    if (path == "/busy") {
+      EXPECT_EQ(got.headers.get("Retry-After"), "1");
+    }
+  }
+  server.stop();
 }
 
 // vllm:time_per_output_token_seconds is observed once per gap between token events, as vLLM
