@@ -40,8 +40,13 @@ std::string_view reasoning_format_name(ReasoningFormat format) {
   return "none";
 }
 
-bool prompt_ends_reasoning(std::string_view prompt) {
-  size_t e = prompt.size();
+bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at) {
+  const std::string_view continued =
+      continued_at < prompt.size() ? prompt.substr(continued_at) : std::string_view();
+  const size_t open = continued.rfind(kOpen), close = continued.rfind(kClose);
+  if (close != std::string_view::npos) return open == std::string_view::npos || close > open;
+  if (open != std::string_view::npos) return false;
+  size_t e = std::min(continued_at, prompt.size());
   while (e > 0 && is_space(prompt[e - 1])) --e;
   return prompt.substr(0, e).ends_with(kClose);
 }

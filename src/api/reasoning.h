@@ -22,8 +22,10 @@ std::string_view reasoning_format_name(ReasoningFormat format);
 // space). Qwen3's template with enable_thinking false ends it with "<think>\n\n</think>\n\n",
 // DeepSeek-V3.1's non-thinking one with "</think>": the whole answer is content. A </think>
 // further back closes an earlier turn's reasoning (Qwen3 shows it after a tool result), not this
-// answer's.
-bool prompt_ends_reasoning(std::string_view prompt);
+// answer's. `continued_at`: where a continued final message (continue_final_message) starts in
+// the prompt; its last <think> or </think> decides (as vLLM's parsers scan the prompt's ids from
+// the end), and without either the prompt before it decides by the rule above.
+bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at = std::string_view::npos);
 
 // What became certain of the answer after one update.
 struct ReasoningDelta {

@@ -646,7 +646,8 @@ std::vector<int32_t> encode_keeping_last(const text::Tokenizer& tokenizer, const
 // without a generation prompt is cut after the final message's content as the template saw it
 // (text parts joined; given as parts, its last text part), so the model continues that message.
 // Python's str.strip() white space throughout.
-std::string continue_final(std::string rendered, const nlohmann::ordered_json& final_message) {
+std::string continue_final(std::string rendered, const nlohmann::ordered_json& final_message,
+                           size_t& continued_at) {
   const nlohmann::ordered_json* content =
       final_message.contains("content") ? &final_message["content"] : nullptr;
   if (content && content->is_array() && !content->empty() && content->back().contains("text"))
@@ -665,6 +666,7 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
     fail("continue_final_message",
          "continue_final_message is set but the final message does not appear in the chat after "
          "applying the chat template");
+  continued_at = at;
   if (rendered.compare(at, lstripped, text) == 0 && lstripped == text.size())
     rendered.resize(at + lstripped);  // the template kept the message's trailing space
   else
@@ -855,15 +857,18 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
-  if (continue_final_message) rendered = continue_final(std::move(rendered), final_message);
+  size_t continued_at = std::string::npos;
+  if (continue_final_message)
+    rendered = continue_final(std::move(rendered), final_message, continued_at);
   r.reasoning = limits.reasoning;
   if (r.reasoning != ReasoningFormat::kNone) {
     // vLLM's qwen3 parser reads an answer with thinking switched off as content; so does any
-    // whose prompt closed the reasoning already (it ends with </think>).
+    // whose prompt closed the reasoning already (it ends with </think>, or a continued final
+    // message closed it).
     const json* kw = field(body, "chat_template_kwargs");
     const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
                               kw->value("enable_thinking", json(true)) == json(false);
-    r.reasoning_all_content = thinking_off || prompt_ends_reasoning(rendered);
+    r.reasoning_all_content = thinking_off || prompt_ends_reasoning(rendered, continued_at);
   }
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.

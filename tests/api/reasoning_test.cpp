@@ -162,6 +162,52 @@ TEST(Reasoning, QwenThinkingSwitchAndEarlierTurnsAsItsTemplateWritesThem) {
   EXPECT_FALSE(parse_chat(body, qwen3(), &qwen3_template(), plain).sampling.reasoning_end_token);
 }
 
+// continue_final_message: the answer goes on from the client's final message, so that message's
+// last <think> or </think> decides whether its reasoning is still open (vLLM's parsers scan the
+// prompt's ids from the end); without either, what the template wrote before it does (Qwen3's
+// writes a final message's reasoning_content as a closed think block in front of its content).
+TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromItsFirstToken) {
+  const ModelLimits limits{.model_name = "m",
+                           .max_model_len = 4096,
+                           .vocab_size = 151936,
+                           .reasoning = ReasoningFormat::kQwen3};
+  const text::ChatTemplate verbatim(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}");
+  const auto think_end = qwen3().token_to_id("</think>");
+  ASSERT_TRUE(think_end);
+  auto parse = [&](const json& final_message, const text::ChatTemplate& tmpl) {
+    json last = final_message;
+    last["role"] = "assistant";
+    const json body = {{"model", "m"},
+                       {"messages", {{{"role", "user"}, {"content", "hi"}}, last}},
+                       {"add_generation_prompt", false},
+                       {"continue_final_message", true},
+                       {"response_format", {{"type", "json_object"}}}};
+    return parse_chat(body, qwen3(), &tmpl, limits);
+  };
+  struct Case {
+    const text::ChatTemplate* tmpl;
+    json message;
+    bool closed;
+  };
+  const std::vector<Case> cases = {
+      {&verbatim, {{"content", "<think>x</think>\n\n{\"a\": "}}, true},
+      {&verbatim, {{"content", "<think>x</think> <think>still thinking"}}, false},
+      {&qwen3_template(), {{"content", "{\"a\": "}, {"reasoning_content", "x"}}, true},
+      {&qwen3_template(), {{"content", "<think>still thinking"}}, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message.dump());
+    const ApiRequest r = parse(c.message, *c.tmpl);
+    SCOPED_TRACE(qwen3().decode(r.prompts[0], false));
+    EXPECT_EQ(r.reasoning_all_content, c.closed);
+    if (c.closed)
+      EXPECT_FALSE(r.sampling.reasoning_end_token);
+    else
+      EXPECT_EQ(r.sampling.reasoning_end_token, think_end);
+  }
+}
+
 struct Rendered {
   json message;                            // whole
   std::string reasoning, content, finish;  // streamed, folded
