@@ -694,13 +694,13 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
         recorder_.record(*r, exec_.now_ns());
       }
       bool blame_source = kv_source_failed;
-      // Parallel mode: a leg whose pair's other leg ended with the client's error failed of that
-      // error (Request::client_error_attempt), as far as the gateway can tell: neither its engine
-      // nor (its KV transfer failing) the prefill engine is blamed.
+      // Parallel mode: a leg whose pair's other leg ended with the client's error or a refusal
+      // failed of it (Request::decided_attempt), as far as the gateway can tell: neither its
+      // engine nor (its KV transfer failing) the prefill engine is blamed.
       const bool failed = outcome == LegOutcome::kFailed || outcome == LegOutcome::kTimedOut;
       if (topo_.mode == PdMode::kParallel && (failed || blame_source)) {
         std::lock_guard lock(r->mutex);
-        if (r->client_error_attempt == leg->attempt) {
+        if (r->decided_attempt == leg->attempt && r->decided_by != leg->endpoint) {
           if (failed) outcome = LegOutcome::kCancelled;
           blame_source = false;
         }
@@ -781,9 +781,14 @@ void Dispatcher::prefill_engine_failed(int endpoint_id, Clock::time_point since)
 void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                             std::string body, std::string message, Blame blame,
                             std::string retry_after) {
-  if (topo_.mode == PdMode::kParallel && is_client_error(status)) {
+  // Parallel mode: the client's error or the engine's refusal decides the attempt (the first leg
+  // to tell it), marked before either report is handled.
+  if (topo_.mode == PdMode::kParallel && ((status >= 400 && status < 500) || status == 503)) {
     std::lock_guard lock(r->mutex);
-    r->client_error_attempt = attempt;
+    if (r->decided_attempt != attempt) {
+      r->decided_attempt = attempt;
+      r->decided_by = endpoint_id;
+    }
   }
   exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
                       message = std::move(message), blame,
@@ -839,8 +844,8 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
 // retried alike, and once retries are spent answered with its own status (a 503 too whatever its
-// body, with the engine's Retry-After). Parallel mode: one leg's client error decides its
-// attempt, whatever its other leg did (Request::client_error_attempt). An engine's error
+// body, with the engine's Retry-After). Parallel mode: one leg's client error or refusal decides
+// its attempt, whatever its other leg did (Request::decided_attempt). An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
 // another decode engine with the same kv_transfer_params (its KV is known to be held still); one
@@ -862,10 +867,11 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // Checked and cancelled under one lock: no leg of this attempt can start the stream after.
     std::lock_guard lock(r->mutex);
     if (r->client != ClientState::kNothingSent) return;
-    // Parallel mode: the other leg of this attempt ended with the client's error, whose report
-    // follows this one (leg_failed) and answers the client: whichever leg told first, the client
-    // gets its error, with no retry.
-    if (retryable && r->client_error_attempt == attempt) return;
+    // Parallel mode: the other leg of this attempt ended with the client's error or a refusal,
+    // whose report follows this one (leg_failed) and decides: whichever leg told first, the client
+    // gets its error with no retry, or the refusal is retried as one (its backoff, its
+    // Retry-After).
+    if (r->decided_attempt == attempt && r->decided_by != endpoint_id) return;
     calls = mark_legs_cancelled(*r);
   }
   cancel_calls(calls);

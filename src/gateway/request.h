@@ -211,11 +211,13 @@ struct Request {
   int64_t cached_tokens_reported = -1;  // by the engine that computed the prompt, when it said
   int cached_tokens_attempt = 0;  // the attempt that report is for (reset with it, under the mutex)
   std::vector<double> itl;        // inter-token gaps, seconds
-  // Parallel mode: the attempt one of whose legs ended with the client's error (a 4xx other than
-  // 429: Dispatcher::leg_failed), or -1. That error decides the attempt: its other leg's failure
-  // (likely its consequence: a decode engine waits for a room its prefill engine refused to fill)
-  // is neither retried nor counted against its engine, whichever leg told first.
-  int client_error_attempt = -1;
+  // Parallel mode: the attempt one of whose legs ended with the client's error or the engine's
+  // refusal (a 4xx, or a 503: Dispatcher::leg_failed), or -1, and that leg's engine (the first to
+  // tell). That answer decides the attempt: its other leg's failure (likely its consequence: a
+  // decode engine waits for a room its prefill engine refused to fill) is neither reported nor
+  // counted against its engine, whichever leg told first.
+  int decided_attempt = -1;
+  int decided_by = -1;
 
   bool ended() {
     std::lock_guard lock(mutex);

@@ -1371,6 +1371,58 @@ TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsFailureWhicheverTellsFi
       }
 }
 
+// Parallel mode: a prefill engine that refuses the request for now (a 503 or 429 answer, or
+// SGLang's queue-full event as its stream's first) leaves its decode engine waiting for a room
+// never filled, whose leg then fails naming no code. Whichever leg tells first, the refusal
+// decides the attempt: the decode engine is not counted failed, and the retry is a refusal's (it
+// waits the backoff, the only prefill engine having refused; once retries are spent the client
+// gets the 503 with the engine's Retry-After). The decode engine's 502 told first was retried at
+// once, blamed that engine (ejected here), and ended in a 502.
+TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst) {
+  const std::string codeless =
+      R"({"error":{"message":"bootstrap room 7 failed","type":"server_error"}})";
+  const std::string full =
+      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
+  for (const bool stream : {false, true})
+    for (const bool refusal_first : {true, false}) {
+      SCOPED_TRACE(testing::Message()
+                   << "stream " << stream << ", refusal first " << refusal_first);
+      Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("a"), engine("b")});
+      t.health.failures_to_eject = 1;
+      t.prefill_retries = 1;
+      t.retry_backoff.first = milliseconds(40);
+      t.retry_backoff.max = milliseconds(400);
+      Cluster c(t);
+      auto client = c.send(stream);
+      auto fail_both = [&] {
+        auto legs = c.engines.open("/v1/completions");
+        ASSERT_EQ(legs.size(), 2u);
+        ASSERT_EQ(host_of(*legs[0]), "p1");
+        auto refuse = [&] {
+          if (stream)
+            FakeEngines::stream(*legs[0], net::sse_event(full) + std::string(net::kSseDone));
+          else
+            FakeEngines::refuse(*legs[0], 503, full, "3");
+        };
+        if (refusal_first) refuse();
+        FakeEngines::answer(*legs[1], 502, codeless);
+        if (!refusal_first) refuse();
+        c.clock.run_ready();
+      };
+      ASSERT_NO_FATAL_FAILURE(fail_both());
+      expect_no_engine_blamed(c);
+      EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back to p1";
+      c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
+      ASSERT_NO_FATAL_FAILURE(fail_both());
+      EXPECT_EQ(client->status, 503);
+      EXPECT_EQ(client->body, full);
+      EXPECT_EQ(client->retry_after, stream ? "" : "3");
+      EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+      expect_no_engine_blamed(c);
+      EXPECT_EQ(c.dispatcher.active(), 0u);
+    }
+}
+
 // n > 1: a choice whose stream fails after the client's stream began ends the merged stream with
 // its error event, and every choice's request is recorded as that error says: the client's 400
 // (no engine blamed), or the engine's failure, 502. The failing choice was recorded 499 (its
