@@ -603,6 +603,11 @@ int64_t KvTransferAgent::held_blocks() const {
   return held_blocks_locked();
 }
 
+KvTransferAgent::ReleaseQueueState KvTransferAgent::release_queue_state() const {
+  std::lock_guard lock(mutex_);
+  return {queued_releases_, deferred_releases_, release_peers_.size(), releasing_};
+}
+
 int64_t KvTransferAgent::held_blocks_locked() const {
   int64_t n = 0;
   for (const auto& [id, h] : held_) n += static_cast<int64_t>(h->blocks.size());
@@ -1326,7 +1331,9 @@ bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
     // Hosts first: one client naming a host's ports one by one makes as many engines of it, and
     // its messages must not crowd out another host's one. Its own host's count would still be
     // the most: the victim is that host's longest engine's, if longer than the newcomer's would
-    // be; else the newcomer is the one dropped.
+    // be; else the newcomer is the one dropped. That holds for a host the client cannot choose:
+    // with no allow list (or one of ranges) it names hosts too, each of which counts as another,
+    // and a queue full of one message each for many hosts drops the next host's newcomer.
     ReleaseHost& own = release_hosts_[r.host];
     const auto [most, most_host] = *hosts_by_queued_.rbegin();
     ReleaseHost& victims = most > own.queued + 1 ? release_hosts_.at(most_host) : own;
@@ -1336,8 +1343,12 @@ bool KvTransferAgent::queue_release_locked(QueuedRelease r) {
       return false;
     }
     const std::string victim = victims.peers_by_queued.rbegin()->second;
-    dequeue_release_locked(release_peers_.at(victim), /*newest=*/true);
+    const QueuedRelease dropped =
+        dequeue_release_locked(release_peers_.at(victim), /*newest=*/true);
     metrics_->releases_dropped.inc();
+    // Another host's engine may have had just that one message: forgotten, or a client cycling
+    // ports would leave an idle engine behind for each (never removed, each pick walks them).
+    forget_idle_release_peer_locked(dropped.host, victim);
   }
   enqueue_release_locked(std::move(r));
   return true;

@@ -275,7 +275,9 @@ class KvTransferAgent final : public KvTransfers {
   // first: the newcomer's host is one with fewer queued than the host with the most, whose
   // longest engine's newest then goes, else one of that host's own engines is longer than the
   // newcomer's; otherwise the newcomer is dropped. One client naming many ports of one host fills
-  // only that host's share. One whose sender cannot start (the process is out of threads) stays
+  // only that host's share; one that may name hosts too (no KvTransferConfig::allow, or an allow
+  // list of ranges) makes each host it names one more, and so may still fill the queue with them
+  // all. One whose sender cannot start (the process is out of threads) stays
   // queued for the next try. One refused as busy kMaxBusyRefusals + 1 times is dropped, counted.
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
@@ -286,6 +288,15 @@ class KvTransferAgent final : public KvTransfers {
   // Blocks held for pulls or rooms right now: what the tandem:kv_transfer_held_blocks gauge
   // shows (refreshed by the reaper); tests read it to see that nothing stays held.
   int64_t held_blocks() const override;
+
+  // The release queue's bookkeeping, for tests: messages queued, of them refused as busy and
+  // waiting for their next try, senders at work, and the engines it keeps (each one has a message
+  // queued or being sent, or it is forgotten).
+  struct ReleaseQueueState {
+    size_t queued = 0, deferred = 0, engines = 0;
+    int64_t sending = 0;
+  };
+  ReleaseQueueState release_queue_state() const;
 
  private:
   struct Held;
