@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -538,6 +539,38 @@ TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
         serve.port(), "/v1/completions", {{"model", "tiny"}, {"prompt", "hi"}, {"max_tokens", 1}});
     EXPECT_NE(after.status, 200) << after.body;
   }
+}
+
+// `tandem serve --gateways N` gives its replicas one count of each client address's connections,
+// so --max-connections-per-address holds across them: with 1, a connection held on one replica
+// leaves the address no place on either, wherever the kernel sends its next connections (each
+// replica counting for itself would serve the half that reach the other).
+TEST(GatewayReplicas, ServesReplicasCountAnAddresssConnectionsTogether) {
+  tandem::testing::EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host",
+                                        "127.0.0.1", "--port", "0", "--mode", "aggregated",
+                                        "--gateways", "2", "--max-connections-per-address", "1"});
+  auto served = [&](net::HttpClient& client) {
+    try {
+      return client.request("GET", "/v1/models").status == 200;
+    } catch (const Error&) {
+      return false;  // closed as it was accepted
+    }
+  };
+  // The one place, once serve's own health checks' connections have closed (keep-alive: held).
+  std::optional<net::HttpClient> held;
+  ASSERT_TRUE(tandem::testing::eventually([&] {
+    held.emplace("127.0.0.1", serve.port());
+    return served(*held);
+  }));
+  for (int i = 0; i < 10; ++i) {
+    net::HttpClient fresh("127.0.0.1", serve.port());
+    EXPECT_FALSE(served(fresh)) << "connection " << i;
+  }
+  held.reset();  // its place comes back, on whichever replica
+  EXPECT_TRUE(tandem::testing::eventually([&] {
+    net::HttpClient fresh("127.0.0.1", serve.port());
+    return served(fresh);
+  }));
 }
 
 // GET /dashboard/state as `tandem serve --gateways N` runs it: the page's poll reaches one
