@@ -247,6 +247,40 @@ TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
   EXPECT_FALSE(error_of([&] { p->client->receive(1024); }).empty());
 }
 
+// A connection's deadline (set_deadline: the agents' handshake and release bounds) ends its
+// receives however the peer keeps talking: a peer that sends a small frame every few
+// milliseconds, each well within the I/O timeout, is cut off at the deadline (200 ms) while it
+// still has frames to send. Only the outcome is checked, not when.
+TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerKeepsSending) {
+  // An I/O timeout past the hang guard: only the deadline can end the receives.
+  auto p = connect_pair(GetParam(), 2 * kHangGuard);
+  const int kFrames = 2000;  // 10 s of them at the peer's pace
+  std::atomic<bool> stop{false};
+  auto peer = std::async(std::launch::async, [&] {
+    for (int i = 0; i < kFrames && !stop; ++i) {
+      send_text(*p->server, KvFrameType::kProgress, "{}");
+      std::this_thread::sleep_for(5ms);  // the peer's pace, not a wait for anything
+    }
+  });
+  p->client->set_deadline(std::chrono::steady_clock::now() + 200ms);
+  auto reader = std::async(std::launch::async, [&] {
+    int received = 0;
+    const std::string e = error_of([&] {
+      for (;;) {
+        p->client->receive(1024);
+        ++received;
+      }
+    });
+    return std::pair(received, e);
+  });
+  const auto [received, error] =
+      get_within(reader, kHangGuard, "the receives went on past the connection's deadline");
+  stop = true;
+  get_within(peer, kHangGuard, "the peer's sends never ended");
+  EXPECT_THAT(error, HasSubstr("timed out receiving"));
+  EXPECT_LT(received, kFrames);
+}
+
 TEST_P(KvTransports, ShutdownFromAnotherThreadUnblocksAReceive) {
   // An I/O timeout past the hang guard: only shutdown() can end the receive.
   auto p = connect_pair(GetParam(), 2 * kHangGuard);
@@ -2220,10 +2254,10 @@ TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTime
   for (int fd : holes) ::close(fd);
 }
 
-// A peer's end of one connection, on the test clock: it sends the same frame again and again,
-// each one `pace` of that clock after the last (header and payload apart), and like a real
-// connection fails a receive that would wait past its deadline or its call's timeout. It counts
-// the frames it gave whole and those sent to it.
+// A peer's end of one connection, on the test clock: it sends its frames in turn, the last one
+// again and again, each one `pace` of that clock after the last (header and payload apart), and
+// like a real connection fails a receive that would wait past its deadline or its call's timeout.
+// It counts the frames it gave whole and those sent to it.
 class PacedPeer : public KvConnection {
  public:
   struct Seen {
@@ -2232,12 +2266,16 @@ class PacedPeer : public KvConnection {
     int frames_given = 0, frames_sent = 0;
     bool closed = false;
   };
+  using Frames = std::vector<std::pair<KvFrameType, std::string>>;
   PacedPeer(KvTestClock& clock, KvFrameType type, std::string payload,
             std::chrono::milliseconds header_pace, std::chrono::milliseconds payload_pace,
             std::shared_ptr<Seen> seen)
+      : PacedPeer(clock, Frames{{type, std::move(payload)}}, header_pace, payload_pace,
+                  std::move(seen)) {}
+  PacedPeer(KvTestClock& clock, Frames frames, std::chrono::milliseconds header_pace,
+            std::chrono::milliseconds payload_pace, std::shared_ptr<Seen> seen)
       : clock_(clock),
-        type_(type),
-        payload_(std::move(payload)),
+        frames_(std::move(frames)),
         header_pace_(header_pace),
         payload_pace_(payload_pace),
         seen_(std::move(seen)) {}
@@ -2255,16 +2293,17 @@ class PacedPeer : public KvConnection {
   }
   KvFrameType receive_header(uint64_t& size, size_t) override {
     wait(header_pace_);
-    size = payload_.size();
-    return type_;
+    size = frame().second.size();
+    return frame().first;
   }
   void receive_payload(std::span<const std::span<std::byte>> parts) override {
     wait(payload_pace_);
     size_t at = 0;
     for (const auto& part : parts) {
-      std::memcpy(part.data(), payload_.data() + at, part.size());
+      std::memcpy(part.data(), frame().second.data() + at, part.size());
       at += part.size();
     }
+    ++given_;
     std::lock_guard lock(seen_->mutex);
     ++seen_->frames_given;
   }
@@ -2283,9 +2322,12 @@ class PacedPeer : public KvConnection {
     clock_.advance(pace);
     if (clock_.peek() > until) throw Error("timed out receiving");
   }
+  const std::pair<KvFrameType, std::string>& frame() const {
+    return frames_[std::min(given_, frames_.size() - 1)];
+  }
   KvTestClock& clock_;
-  const KvFrameType type_;
-  const std::string payload_;
+  const Frames frames_;
+  size_t given_ = 0;
   const std::chrono::milliseconds header_pace_, payload_pace_;
   std::shared_ptr<Seen> seen_;
   std::chrono::milliseconds timeout_{std::chrono::hours(1)};
@@ -2381,6 +2423,28 @@ TEST_F(KvTransferAgents, AFirstFrameArrivesWithinTheHandshakeTimeoutAsAWhole) {
   ASSERT_TRUE(closed(*seen)) << "the slow connection was kept open";
   EXPECT_EQ(seen->frames_given, 0);
   EXPECT_EQ(seen->frames_sent, 0) << "the late frame was read and answered";
+}
+
+// A decode engine's wait for a room's prompt (3 s) starts again at each progress frame that tells
+// of more of the prompt computed: a prefill engine reporting a chunk a second is waited for past
+// those 3 s, and its answer at 5 s (here a refusal) is what the fetch reports, not "no progress".
+TEST_F(KvTransferAgents, EachProgressOfTheRoomsPromptRestartsTheDecodeEnginesWait) {
+  decode_timeout_s_ = 3;
+  decode_on_test_clock_ = true;
+  port_override_ = 1;
+  PacedPeer::Frames frames;
+  for (int chunk = 1; chunk <= 5; ++chunk)
+    frames.push_back({KvFrameType::kProgress, json{{"computed_tokens", chunk}}.dump()});
+  frames.push_back({KvFrameType::kError, json{{"message", "the test's refusal at 6 s"}}.dump()});
+  auto seen = std::make_shared<PacedPeer::Seen>();
+  decode_ = make_decode(decode_exec_, decode_metrics_, std::make_unique<PacedTransport>([&] {
+                          return std::make_unique<PacedPeer>(clock_, frames, 1s, 0ms, seen);
+                        }));
+  const KvFetchResult r = wait(fetch(enter_room(7, local_, "req-long")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("the test's refusal at 6 s"));
+  EXPECT_THAT(r.error, Not(HasSubstr("no progress")));
+  EXPECT_EQ(seen->frames_given, 6);
 }
 
 // A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once
@@ -2614,8 +2678,9 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
 // A long prompt's prefill outlasts the prefill side's timeout (3 s here), but each computed
 // chunk restarts it: the decode engine still gets its KV. A room whose prefill says nothing
 // fails. Both engines read the test clock, which moves 500 ms a chunk; their connections' own
-// I/O timeouts are past the hang guard. (The decode side's restart is not seen here: a real
-// connection waits in real time, the clock an hour ahead of it.)
+// I/O timeouts are past the hang guard. (The decode side's restart is not seen here, as a real
+// connection waits in real time, the clock an hour ahead of it: see
+// EachProgressOfTheRoomsPromptRestartsTheDecodeEnginesWait.)
 TEST_F(KvTransferAgents, APrefillThatKeepsProgressingOutlastsTheTransferTimeouts) {
   decode_timeout_s_ = 3;
   decode_io_timeout_ = 600s;
