@@ -673,15 +673,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     } else if (r.decode) {
       // This engine's timeout, shorter than the decode engine's, passed first: the decode leg is
       // refused, and so is a prefill leg of its prompt that comes later (its KV would reach
-      // nobody), as the live agent's serve_register leaves a refusal for it.
-      const std::string room_text = "bootstrap_room " + std::to_string(room);
-      const std::string timeout_text = seconds_text(config_.timeout_s) + " s";
+      // nobody), as the live agent's serve_register leaves a refusal for it, in its words.
       const uint64_t hash = r.decode->prompt_hash;
       const int64_t tokens = r.decode->prompt_tokens;
-      fail_room(room, "no prefill request with " + room_text + " arrived within " + timeout_text);
-      leave_refusal(room, hash, tokens,
-                    room_text + " expired: its decode request waited " + timeout_text +
-                        " for this prefill request and was failed");
+      fail_room(room, "no prefill request with bootstrap_room " + std::to_string(room) +
+                          " arrived within " + seconds_text(config_.timeout_s) + " s");
+      leave_refusal(room, hash, tokens, engine::kv_room_expired_text(room, config_.timeout_s));
     } else {
       fail_room(room, "no decode engine registered bootstrap_room " + std::to_string(room) +
                           " within " + seconds_text(config_.timeout_s) + " s");

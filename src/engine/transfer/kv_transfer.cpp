@@ -598,6 +598,11 @@ void KvTransferAgent::worker() {
   changed_.notify_all();
 }
 
+std::string kv_room_expired_text(uint64_t room, double timeout_s) {
+  return "bootstrap_room " + std::to_string(room) + " expired: its decode request waited " +
+         seconds_text(timeout_s) + " s for this prefill request and was failed";
+}
+
 int64_t KvTransferAgent::held_blocks() const {
   std::lock_guard lock(mutex_);
   return held_blocks_locked();
@@ -1215,11 +1220,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   finish_room(room, ok, failure, decode_gone);
   if (decode_gone && !had_prefill) leave_refusal(room, failure, true, hash, prompt_tokens);
   if (timed_out && !had_prefill)
-    leave_refusal(room,
-                  "bootstrap_room " + std::to_string(room) +
-                      " expired: its decode request waited " + seconds_text(config_.timeout_s) +
-                      " s for this prefill request and was failed",
-                  true, hash, prompt_tokens);
+    leave_refusal(room, kv_room_expired_text(room, config_.timeout_s), true, hash, prompt_tokens);
   lock.unlock();
   if (!ok && !decode_gone) send_error(conn, failure);
 }

@@ -213,6 +213,11 @@ class KvTransferError : public Error {
 // The hash both legs of a bootstrap room compare, so a room never joins different prompts.
 uint64_t kv_prompt_hash(std::span<const int32_t> prompt);
 
+// What a prefill leg is refused with when it comes for `room` after the room, registered by its
+// decode leg, timed out (`timeout_s`, the prefill engine's) and that leg was failed. The live
+// agent and the simulator (sim/virtual_kv_links.cpp) both say it.
+std::string kv_room_expired_text(uint64_t room, double timeout_s);
+
 // The KvTransfers of real engines: bytes over a KvTransport, on threads of its own.
 class KvTransferAgent final : public KvTransfers {
  public:
