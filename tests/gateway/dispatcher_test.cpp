@@ -2295,6 +2295,45 @@ TEST(Dispatcher, ADecodeLegWhoseKvTransferFailedCountsAgainstItsPrefillEngine) {
   }
 }
 
+// Parallel mode: a decode leg whose KV transfer failed because its prefill engine refused the
+// request (the client's 400, or a 503 refusal) is no failure of that prefill engine's, nor of its
+// own, whichever leg tells first: the refusal decides the attempt (a kv_transfer_failed otherwise
+// counts against the prefill engine).
+TEST(Dispatcher, AKvTransferFailedByAPrefillEnginesRefusalBlamesNoEngine) {
+  const std::string too_long =
+      R"({"error":{"message":"the prompt is too long","type":"invalid_request_error"}})";
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  for (const int status : {400, 503})
+    for (const bool refusal_first : {true, false}) {
+      SCOPED_TRACE(testing::Message() << status << ", refusal first " << refusal_first);
+      Topology t = parallel_pairs_with_one_retry();
+      t.health.failures_to_eject = 1;
+      Cluster c(t);
+      auto client = c.send();
+      auto legs = c.engines.open("/v1/completions");
+      ASSERT_EQ(legs.size(), 2u);
+      ASSERT_EQ(host_of(*legs[0]), "p1");
+      ASSERT_EQ(host_of(*legs[1]), "d1");
+      auto refuse = [&] { FakeEngines::answer(*legs[0], status, status == 400 ? too_long : full); };
+      if (refusal_first) refuse();
+      FakeEngines::answer(*legs[1], 502, kv_transfer_failed_answer());
+      if (!refusal_first) refuse();
+      c.clock.run_ready();
+      expect_no_engine_blamed(c);
+      EXPECT_EQ(
+          c.metric("tandem:gateway_endpoint_failures_total{pool=\"prefill\",endpoint=\"p1\"}"), 0);
+      if (status == 400) {
+        EXPECT_EQ(client->status, 400);
+        EXPECT_EQ(client->body, too_long);
+      } else {
+        c.answer_all("from the retry");
+        EXPECT_EQ(client->status, 200);
+      }
+      EXPECT_EQ(c.dispatcher.active(), 0u);
+    }
+}
+
 // The reported case: a hung prefill engine, requests waiting for its KV on a healthy decode
 // engine, their decode legs failing together at the transfer timeout. The prefill engine is
 // ejected after failures_to_eject of them, and the decode engine stays: the next request's 503
