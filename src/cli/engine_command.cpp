@@ -240,6 +240,13 @@ void check_settings(const EngineOptions& o, const CLI::App& cmd) {
         "process; not with --expert-parallel");
 }
 
+// The KV transfer listener's port: the flag's, else the role's default (a prefill engine 8998,
+// both any free port, a decode engine none: -1).
+int kv_transfer_port(const EngineOptions& o) {
+  if (o.kv_transfer_port != -2) return o.kv_transfer_port;
+  return o.role == "prefill" ? 8998 : o.role == "both" ? 0 : -1;
+}
+
 void run(const EngineOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
@@ -247,6 +254,12 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   if (o.model.rfind(kSimPrefix, 0) != 0) check_model_folder("--model", o.model);
   // Likewise the address: a port in use found after the load would have cost it.
   net::check_listen_address("--host", o.host, "--port", static_cast<uint16_t>(o.port));
+  // The KV transfer listener opens after the load too: a second prefill engine on this host
+  // would load its model and then find the default 8998 taken.
+  const std::string transfer_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
+  if (const int port = kv_transfer_port(o); port > 0)
+    net::check_listen_address("--kv-transfer-host", transfer_host, "--kv-transfer-port",
+                              static_cast<uint16_t>(port));
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
@@ -276,11 +289,8 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   config.role = engine::parse_engine_role(o.role);
   engine::KvTransferConfig transfer;
   transfer.engine_id = o.engine_id;
-  transfer.listen_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
-  transfer.port = o.kv_transfer_port != -2 ? o.kv_transfer_port
-                  : o.role == "prefill"    ? 8998
-                  : o.role == "both"       ? 0
-                                           : -1;
+  transfer.listen_host = transfer_host;
+  transfer.port = kv_transfer_port(o);
   transfer.advertise_host =
       o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
   transfer.timeout_s = o.kv_transfer_timeout;

@@ -141,7 +141,7 @@ TEST(CliFlags, ServeChecksItsFlagsBeforeWritingAPresetModel) {
 
 // A port in use or a host that does not resolve was found when the server started listening: after
 // the engine's model load, after serve had written its preset and loaded every engine. Both are
-// refused first, naming the flag and the address.
+// refused first, naming the flag and the address; so is the KV transfer port.
 TEST(CliFlags, AListenAddressInUseOrUnresolvedIsRefusedBeforeAnyModelWork) {
   const std::filesystem::path cache = test::scratch_path("serve-cache-listen", "");
   std::filesystem::create_directories(cache);
@@ -151,6 +151,12 @@ TEST(CliFlags, AListenAddressInUseOrUnresolvedIsRefusedBeforeAnyModelWork) {
   for (const auto& [args, said] : {
            std::pair{"serve --model tiny-v3 --port " + held.port(), in_use},
            std::pair{"engine --model sim:tiny --host 127.0.0.1 --port " + held.port(), in_use},
+           // The KV transfer listener opens after the load as well (a prefill's default 8998).
+           std::pair{
+               "engine --model sim:tiny --role prefill --host 127.0.0.1 --port 0 "
+               "--kv-transfer-port " +
+                   held.port(),
+               "--kv-transfer-port " + held.port() + ": 127.0.0.1:" + held.port() + " is in use"},
            std::pair{std::string("serve --model tiny-v3 --port 0 --host 999.1.1.1"),
                      std::string("--host '999.1.1.1': cannot resolve it")},
            std::pair{std::string("serve --model tiny-v3 --port 0 --engine-host 999.1.1.1"),
