@@ -1,14 +1,17 @@
 #include "cli/model_commands.h"
 
-#include <signal.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
+#include <random>
 
 #include "cli/bench_options.h"
 #include "model/make_model.h"
@@ -97,20 +100,45 @@ void quantize(const QuantizeArgs& a) {
                a.dtype.c_str());
 }
 
-// The folders `preset_model_folder` wrote `dir` into (DIR.partial-PID) whose process is gone: a
+// A writer of DIR.partial-ID holds an flock on this file in it for the whole write; a sweeper
+// that can take the lock knows the writer is gone. Not the PID: a cache shared between PID
+// namespaces or hosts (an NFS home, a volume in several containers) names another's process.
+constexpr const char* kWriterLock = ".tandem-writer.lock";
+// A partial folder without the lock file is an older tandem's (this one's writer locks before the
+// folder takes its name): removed once it has not been written for this long, far past a write.
+constexpr auto kUnlockedPartialAge = std::chrono::hours(24);
+
+// An open file descriptor, closed (and so its flock released) at the end of its scope.
+struct FileDescriptor {
+  int fd = -1;
+  explicit FileDescriptor(int f) : fd(f) {}
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  ~FileDescriptor() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// The folders `preset_model_folder` wrote `dir` into (DIR.partial-ID) whose writer is gone: a
 // stop signal ends serve while it writes, with no chance to remove its own, and each held the
 // model's size (gigabytes for some presets) for good. A running writer's folder is kept.
 void remove_stale_partial_folders(const fs::path& dir) {
   const std::string prefix = dir.filename().string() + ".partial-";
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir.parent_path(), ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string digits = name.substr(prefix.size());
-    pid_t pid = 0;
-    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
-    if (error != std::errc() || end != digits.data() + digits.size() || pid <= 0) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // running (EPERM: someone else's)
+    if (entry.path().filename().string().rfind(prefix, 0) != 0) continue;
+    const FileDescriptor lock(
+        ::open((entry.path() / kWriterLock).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
+    if (lock.fd < 0) {
+      std::error_code old;
+      if (errno == ENOENT &&
+          fs::file_time_type::clock::now() - fs::last_write_time(entry.path(), old) >
+              kUnlockedPartialAge &&
+          !old)
+        fs::remove_all(entry.path(), ec);
+      continue;
+    }
+    if (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) continue;  // its writer is at work
     fs::remove_all(entry.path(), ec);
   }
 }
@@ -135,12 +163,31 @@ fs::path preset_model_folder(const std::string& preset) {
   remove_stale_partial_folders(dir);  // also once the model is there: they outlive it otherwise
   if (fs::exists(dir / "config.json")) return dir;
   // Written aside and renamed, so an interrupted run never leaves a half model behind.
-  const fs::path tmp = dir.string() + ".partial-" + std::to_string(::getpid());
+  // The PID and a random part: in a cache shared between PID namespaces two writers may have one
+  // PID.
+  const std::string id = std::to_string(::getpid()) + "-" + std::to_string(std::random_device()());
+  const fs::path tmp = dir.string() + ".partial-" + id;
+  // Locked under another name first: a sweeper sees a .partial- folder only with its lock held.
+  const fs::path locking = dir.string() + ".locking-" + id;
   std::error_code made;
-  fs::create_directories(tmp.parent_path(), made);
+  fs::create_directories(locking, made);
   if (made)
     throw Error("cannot create the folder " + tmp.parent_path().string() + " for the " + preset +
                 " model (" + made.message() + "); set XDG_CACHE_HOME to a writable folder");
+  const FileDescriptor lock(
+      ::open((locking / kWriterLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (lock.fd < 0 || ::flock(lock.fd, LOCK_EX) != 0) {
+    const int e = errno;
+    fs::remove_all(locking, made);
+    throw Error("cannot lock " + (locking / kWriterLock).string() + ": " + std::strerror(e));
+  }
+  fs::rename(locking, tmp, made);
+  if (made) {
+    std::error_code removed;
+    fs::remove_all(locking, removed);
+    throw Error("cannot create the folder " + tmp.string() + " for the " + preset + " model (" +
+                made.message() + ")");
+  }
   MakeModelArgs a;
   a.preset = preset;
   a.out = tmp.string();
@@ -153,7 +200,10 @@ fs::path preset_model_folder(const std::string& preset) {
   }
   std::error_code ec;
   fs::rename(tmp, dir, ec);
-  if (ec) fs::remove_all(tmp);  // another process won the race: use its copy
+  if (ec)
+    fs::remove_all(tmp);  // another process won the race: use its copy
+  else
+    fs::remove(dir / kWriterLock, ec);  // the model's folder carries no lock file
   if (!fs::exists(dir / "config.json")) throw Error("could not create " + dir.string());
   return dir;
 }

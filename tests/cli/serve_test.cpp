@@ -5,11 +5,13 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -292,18 +294,37 @@ TEST(ServeGatewayFlags, MaxAnswerBytesReachesEveryGatewayReplica) {
 }
 
 // A run stopped while it wrote a preset's model (a Ctrl-C in serve's first seconds) left its
-// DIR.partial-PID folder in the cache for good, the model's size each time; and the first run's
-// line named that folder, gone once renamed. The next run removes the folders whose process is
-// gone (a running writer's stays), and the line names the model's own folder. The engine fails
-// at its start here (serve does not read the secret file, which may be a pipe for the engine):
-// the model is written by then.
+// DIR.partial-ID folder in the cache for good, the model's size each time; and the first run's
+// line named that folder, gone once renamed. The next run removes the folders whose writer is gone
+// and keeps a running writer's: told by the writer's flock on a lock file in the folder, not by
+// its PID, which names another process in a cache shared between PID namespaces or hosts. A
+// folder without the lock file (an older tandem's) goes once a day old. The engine fails at its
+// start here (serve does not read the secret file, which may be a pipe for the engine): the model
+// is written by then.
 TEST(ServePresetModel, StalePartialFoldersAreRemovedAndTheLineNamesTheModelsFolder) {
   const std::filesystem::path cache = test::scratch_path("serve-partial-cache", "");
   const std::filesystem::path models = cache / "tandem" / "models";
-  const auto dead = models / "tiny-v3.partial-999999999";  // past any pid_max
-  const auto running = models / ("tiny-v3.partial-" + std::to_string(::getpid()));
-  const auto other = models / "tiny-v2-lite.partial-999999999";  // another preset's: not this run's
-  for (const auto& dir : {dead, running, other}) std::filesystem::create_directories(dir);
+  const auto dead = models / "tiny-v3.partial-1-2";
+  // Its PID is this process's, which the old check took for a writer at work.
+  const auto dead_same_pid = models / ("tiny-v3.partial-" + std::to_string(::getpid()));
+  // Its PID names no process here, as another container's writer's would.
+  const auto running = models / "tiny-v3.partial-999999999";
+  const auto old_unlocked = models / "tiny-v3.partial-3";
+  const auto new_unlocked = models / "tiny-v3.partial-4";
+  const auto other = models / "tiny-v2-lite.partial-5";  // another preset's: not this run's
+  for (const auto& dir : {dead, dead_same_pid, running, old_unlocked, new_unlocked, other})
+    std::filesystem::create_directories(dir);
+  const auto lock_file = [](const std::filesystem::path& dir) {
+    const int fd =
+        ::open((dir / ".tandem-writer.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    EXPECT_GE(fd, 0) << dir;
+    return fd;
+  };
+  for (const auto& dir : {dead, dead_same_pid, other}) ::close(lock_file(dir));
+  const int held = lock_file(running);  // the writer at work: its lock held on another fd
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  std::filesystem::last_write_time(
+      old_unlocked, std::filesystem::file_time_type::clock::now() - std::chrono::hours(48));
   // serve (run_serve's shell) with the test's cache; the test's own environment as it was.
   const auto serve = [&cache](std::string& output) {
     const char* const old = std::getenv("XDG_CACHE_HOME");
@@ -324,13 +345,20 @@ TEST(ServePresetModel, StalePartialFoldersAreRemovedAndTheLineNamesTheModelsFold
   EXPECT_THAT(output, Not(HasSubstr(".partial-"))) << output;
   EXPECT_TRUE(std::filesystem::exists(models / "tiny-v3" / "config.json")) << output;
   EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_FALSE(std::filesystem::exists(dead_same_pid));
   EXPECT_TRUE(std::filesystem::exists(running));
+  EXPECT_FALSE(std::filesystem::exists(old_unlocked));
+  EXPECT_TRUE(std::filesystem::exists(new_unlocked));
   EXPECT_TRUE(std::filesystem::exists(other));
-  // A run that finds the model written still sweeps.
+  EXPECT_FALSE(std::filesystem::exists(models / "tiny-v3" / ".tandem-writer.lock"));
+  // A run that finds the model written still sweeps; the writer's lock released, its folder goes.
   std::filesystem::create_directories(dead);
+  ::close(lock_file(dead));
+  ::close(held);
   output.clear();
   serve(output);
   EXPECT_FALSE(std::filesystem::exists(dead)) << output;
+  EXPECT_FALSE(std::filesystem::exists(running)) << output;
   std::filesystem::remove_all(cache);
 }
 
