@@ -862,13 +862,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     rendered = continue_final(std::move(rendered), final_message, continued_at);
   r.reasoning = limits.reasoning;
   if (r.reasoning != ReasoningFormat::kNone) {
-    // vLLM's qwen3 parser reads an answer with thinking switched off as content; so does any
-    // whose prompt closed the reasoning already (it ends with </think>, or a continued final
-    // message closed it).
-    const json* kw = field(body, "chat_template_kwargs");
-    const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
-                              kw->value("enable_thinking", json(true)) == json(false);
-    r.reasoning_all_content = thinking_off || prompt_ends_reasoning(rendered, continued_at);
+    // An answer whose prompt closed the reasoning already (it ends with </think>, or a
+    // continued final message closed it) is all content. The prompt alone decides, as vLLM
+    // decides from its ids: Qwen3's template with enable_thinking false closes it there, and a
+    // template that ignores the switch (one that always opens <think>) leaves it open.
+    r.reasoning_all_content = prompt_ends_reasoning(rendered, continued_at);
   }
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.

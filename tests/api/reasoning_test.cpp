@@ -208,6 +208,26 @@ TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromIts
   }
 }
 
+// The prompt alone decides, not enable_thinking: a template that ignores it and always opens the
+// think block (Qwen3-Thinking-2507's, QwQ's) leaves the reasoning open, so a constrained answer
+// still thinks first, as vLLM decides from the prompt's ids.
+TEST(Reasoning, AThinkBlockTheTemplateOpensAnywayStaysOpenWithThinkingSwitchedOff) {
+  const ModelLimits limits{.model_name = "m",
+                           .max_model_len = 4096,
+                           .vocab_size = 151936,
+                           .reasoning = ReasoningFormat::kQwen3};
+  const text::ChatTemplate always_thinks(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}");
+  const json body = {{"model", "m"},
+                     {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                     {"chat_template_kwargs", {{"enable_thinking", false}}},
+                     {"response_format", {{"type", "json_object"}}}};
+  const ApiRequest r = parse_chat(body, qwen3(), &always_thinks, limits);
+  EXPECT_FALSE(r.reasoning_all_content);
+  EXPECT_EQ(r.sampling.reasoning_end_token, qwen3().token_to_id("</think>"));
+}
+
 struct Rendered {
   json message;                            // whole
   std::string reasoning, content, finish;  // streamed, folded
