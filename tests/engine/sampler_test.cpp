@@ -521,6 +521,41 @@ TEST(Sampler, AGrammarHoldsOnlyAfterTheReasoningEndToken) {
   }
 }
 
+// An unseeded request (what MTP verifies by default) checks a draft by rejection sampling, with
+// the draft distribution q propose() handed over: across the reasoning end the target is masked
+// only after it, so the reasoning's draft 'a' is accepted and the answer's 'a' is rejected for
+// what the grammar allows.
+TEST(Sampler, AnUnseededDraftIsVerifiedByRejectionWithTheGrammarOnlyAfterTheReasoningEnd) {
+  using K = structured::OutputSpec::Kind;
+  using C = Constrained;
+  const auto favouring = [](int32_t best, int32_t second = -1) {
+    std::vector<float> l(C::kVocab, 0.0f);
+    l[best] = 30;
+    if (second >= 0) l[second] = 20;
+    return l;
+  };
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.reasoning_end_token = C::kThinkEnd;
+  Sampler s = C::make(p, K::kJsonObject, "");
+  std::vector<int32_t> output;
+  const auto next = [&](int32_t drafted, std::vector<float> target) {
+    std::vector<float> d = favouring(drafted), q;
+    const int32_t draft = s.propose(d, {}, output, q);
+    EXPECT_EQ(draft, drafted);
+    EXPECT_EQ(q.size(), size_t(C::kVocab)) << "an unseeded draft hands over its distribution";
+    const int32_t t = s.verify(target, {}, output, draft, q);
+    output.push_back(t);
+    return t;
+  };
+  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kOpen)), C::kA);
+  EXPECT_EQ(next(C::kThinkEnd, favouring(C::kThinkEnd, C::kOpen)), C::kThinkEnd);
+  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kOpen)), C::kOpen);
+  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kClose)), C::kClose);
+  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kEos)), C::kEos);
+  EXPECT_TRUE(s.failure().empty()) << s.failure();
+}
+
 TEST(Sampler, InvalidParametersAreNamed) {
   auto error_of = [](SamplingParams p) {
     try {
