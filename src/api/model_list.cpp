@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -54,6 +55,20 @@ std::vector<std::string> model_paths(std::string_view id) {
   }
   if (encoded != paths[0]) paths.push_back(encoded);
   return paths;
+}
+
+net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model) {
+  static constexpr std::string_view kPrefix = "/v1/models/";
+  const std::vector<std::string> paths = model_paths(model.id);
+  net::HttpResponse r;
+  if (std::find(paths.begin(), paths.end(), path) != paths.end()) {
+    r.body = model_json(model);
+    return r;
+  }
+  const ApiError e = model_not_found(path.substr(std::min(path.size(), kPrefix.size())));
+  r.status = e.status;
+  r.body = api_error_body(e);
+  return r;
 }
 
 namespace {

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "net/http.h"
+
 namespace tandem::api {
 
 struct ModelCard {
@@ -26,10 +28,16 @@ std::string model_json(const ModelCard& model);
 // The paths GET /v1/models/{id} of model `id` arrives at: the id as it is, and percent-encoded
 // as encodeURIComponent writes it when that differs (a name with '/').
 std::vector<std::string> model_paths(std::string_view id);
+// The answer to GET `path` (a path under /v1/models/, as it arrived) of a server serving `model`:
+// its object at one of model_paths(model.id), else 404 model_not_found naming the id, as a
+// request naming an unknown model is answered.
+net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model);
 
 // The least `max_model_len` of a list body's models (an engine may serve several names); nullopt
 // when the body is not a model list or no model says one (an older or foreign server).
 std::optional<int64_t> max_model_len_of(std::string_view model_list_body);
+// The same of a list's "data" array, parsed already.
+std::optional<int64_t> max_model_len_of(const nlohmann::json& data);
 
 // The id of a list body's first model (the one vLLM's bench sends when told none); nullopt when
 // the body is not a model list or lists none.

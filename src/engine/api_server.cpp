@@ -162,11 +162,13 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
           ex->respond(200,
                       api::model_list_json({info.model_name, created_, engine_.max_model_len()}));
         });
-  // (Another id's path has no route: the server's 404, without OpenAI's model_not_found code.)
-  for (const std::string& path : api::model_paths(info.model_name))
-    route("GET", path, [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-      ex->respond(200, api::model_json({info.model_name, created_, engine_.max_model_len()}));
-    });
+  // The openai client's models.retrieve: the model object of the list, or model_not_found for
+  // another id (its path as it arrived: the server decodes only unreserved escapes).
+  route_prefix("GET", "/v1/models/",
+               [this, info](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+                 ex->respond(api::model_retrieval(
+                     req.path, {info.model_name, created_, engine_.max_model_len()}));
+               });
   route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
   });
@@ -329,20 +331,25 @@ void ApiServer::prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr
 
 void ApiServer::route(std::string method, std::string path, net::Handler handler) {
   // /health and /metrics stay open, as vLLM's do: probes and Prometheus scrapers carry no key.
-  if (api_keys_.empty() || path == "/health" || path == "/metrics") {
-    server_.route(std::move(method), std::move(path), std::move(handler));
-    return;
-  }
+  const bool open = path == "/health" || path == "/metrics";
   server_.route(std::move(method), std::move(path),
-                [this, handler = std::move(handler)](const net::HttpRequest& req,
-                                                     std::shared_ptr<net::Exchange> ex) {
-                  if (!api::api_key_valid(api_keys_, req)) {
-                    ex->send_error(401, api::kInvalidApiKey, "invalid_request_error",
-                                   "invalid_api_key");
-                    return;
-                  }
-                  handler(req, std::move(ex));
-                });
+                open ? std::move(handler) : behind_api_keys(std::move(handler)));
+}
+
+void ApiServer::route_prefix(std::string method, std::string prefix, net::Handler handler) {
+  server_.route_prefix(std::move(method), std::move(prefix), behind_api_keys(std::move(handler)));
+}
+
+net::Handler ApiServer::behind_api_keys(net::Handler handler) const {
+  if (api_keys_.empty()) return handler;
+  return [this, handler = std::move(handler)](const net::HttpRequest& req,
+                                              std::shared_ptr<net::Exchange> ex) {
+    if (!api::api_key_valid(api_keys_, req)) {
+      ex->send_error(401, api::kInvalidApiKey, "invalid_request_error", "invalid_api_key");
+      return;
+    }
+    handler(req, std::move(ex));
+  };
 }
 
 ApiServer::~ApiServer() {

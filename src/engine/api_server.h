@@ -106,6 +106,10 @@ class ApiServer {
 
   // server_.route behind the API keys (all routes but /health and /metrics).
   void route(std::string method, std::string path, net::Handler handler);
+  // server_.route_prefix behind the API keys.
+  void route_prefix(std::string method, std::string prefix, net::Handler handler);
+  // `handler` answering 401 invalid_api_key to a request without one of api_keys_ (if any).
+  net::Handler behind_api_keys(net::Handler handler) const;
   // `work` for the request of `exchange`, on the preparation thread with the fewest requests
   // queued; when its client left meanwhile, `dropped` instead (if any), there.
   void prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,

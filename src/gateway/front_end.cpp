@@ -99,18 +99,11 @@ void FrontEnd::add_routes(net::HttpServer& server) {
   });
   // The openai client's models.retrieve: the model object of the list, or model_not_found for
   // another id (its path as it arrived: the server decodes only unreserved escapes).
-  static constexpr std::string_view kModel = "/v1/models/";
-  server.route_prefix("GET", std::string(kModel), [this](const net::HttpRequest& req, auto ex) {
+  server.route_prefix("GET", "/v1/models/", [this](const net::HttpRequest& req, auto ex) {
     if (!api_key_accepted(topo_, req, *ex)) return;
     if (!topo_.served_model_name.empty()) {
-      const std::vector<std::string> paths = api::model_paths(topo_.served_model_name);
-      if (std::find(paths.begin(), paths.end(), req.path) == paths.end()) {
-        const api::ApiError e = api::model_not_found(req.path.substr(kModel.size()));
-        ex->respond(e.status, api::api_error_body(e));
-        return;
-      }
-      ex->respond(200, api::model_json({topo_.served_model_name, exec_.unix_ms() / 1000,
-                                        endpoints_.max_model_len()}));
+      ex->respond(api::model_retrieval(
+          req.path, {topo_.served_model_name, exec_.unix_ms() / 1000, endpoints_.max_model_len()}));
       return;
     }
     net::AsyncHttpRequest u;

@@ -684,8 +684,8 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
                                  "127.0.0.1", "--port", "0", "--num-kv-blocks", "64"});
   EXPECT_EQ(get_json(engine.port(), "/v1/models")["data"][0]["id"], "sim:tiny");
   // The openai client's models.retrieve: GET /v1/models/{id}, the id as it is or encoded as
-  // encodeURIComponent writes it; another id is a 404, as a request naming it is (with OpenAI's
-  // model_not_found code there).
+  // encodeURIComponent writes it; another id is 404 model_not_found, as a request naming it is
+  // (and as the gateway answers it).
   for (const char* path : {"/v1/models/sim:tiny", "/v1/models/sim%3Atiny"}) {
     SCOPED_TRACE(path);
     const json model = get_json(engine.port(), path);
@@ -693,7 +693,11 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
     EXPECT_EQ(model["object"], "model");
     EXPECT_GT(model["max_model_len"].get<int64_t>(), 0);
   }
-  EXPECT_EQ(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/models/other").status, 404);
+  const auto other = net::http_request("127.0.0.1", engine.port(), "GET", "/v1/models/other");
+  EXPECT_EQ(other.status, 404);
+  EXPECT_EQ(api::openai_error_code(other.body), std::optional<std::string>("model_not_found"))
+      << other.body;
+  EXPECT_NE(other.body.find("The model `other` does not exist."), std::string::npos) << other.body;
   const auto unknown = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions",
                                          R"({"model": "other", "prompt": "x"})");
   EXPECT_EQ(unknown.status, 404);
@@ -745,8 +749,12 @@ TEST_F(EngineServer, AnApiKeyGuardsEveryRouteButHealthAndMetrics) {
                                  "127.0.0.1", "--port", "0", "--num-kv-blocks", "64", "--api-key",
                                  "k1", "--max-tokens-limit", "8"});
   const json body = {{"prompt", "hi"}, {"max_tokens", 4}};
-  for (const auto& [method, path] : std::vector<std::pair<std::string, std::string>>{
-           {"GET", "/v1/models"}, {"GET", "/load"}, {"POST", "/v1/completions"}}) {
+  for (const auto& [method, path] :
+       std::vector<std::pair<std::string, std::string>>{{"GET", "/v1/models"},
+                                                        {"GET", "/v1/models/sim:tiny"},
+                                                        {"GET", "/v1/models/other"},
+                                                        {"GET", "/load"},
+                                                        {"POST", "/v1/completions"}}) {
     auto r = net::http_request("127.0.0.1", engine.port(), method, path,
                                method == "POST" ? body.dump() : "");
     EXPECT_EQ(r.status, 401) << path;
