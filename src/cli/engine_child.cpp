@@ -196,4 +196,33 @@ void EngineChild::wait_until(Clock::time_point deadline) {
   process_->wait_or_kill(std::max(left, std::chrono::milliseconds(0)));
 }
 
+bool EngineChild::ended() {
+  return !process_ || process_->exited().has_value();
+}
+
+std::chrono::milliseconds engine_stop_grace(std::chrono::milliseconds engine_drain) {
+  // After its drain an engine closes its connections and ends its scheduler and KV transfer.
+  constexpr std::chrono::milliseconds kAfterDrain{10'000};
+  return std::max(ChildProcess::kStopGrace, engine_drain + kAfterDrain);
+}
+
+void stop_engines(std::span<const std::unique_ptr<EngineChild>> engines,
+                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who) {
+  for (const auto& e : engines) e->terminate();  // all at once, then wait for each
+  const auto deadline = EngineChild::Clock::now() + grace;
+  bool cut = false;
+  for (const auto& e : engines) {
+    // Polled in short steps: an engine that ended is seen soon, and so is another stop signal.
+    while (!cut && !e->ended() && EngineChild::Clock::now() < deadline) {
+      if (const auto again = signals.wait_for(std::chrono::milliseconds(50))) {
+        std::fprintf(stderr, "%s: signal %d: the engines' requests left are cut\n", who, *again);
+        std::fflush(stderr);
+        for (const auto& other : engines) other->terminate();
+        cut = true;
+      }
+    }
+    e->wait_until(deadline);
+  }
+}
+
 }  // namespace tandem::cli

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,8 @@ class EngineChild {
   // it (SIGKILL): one that does not act on SIGTERM (stopped, frozen, hung) must not hold serve's
   // shutdown. One deadline for every engine: N hung engines cost one grace period, not N.
   void wait_until(Clock::time_point deadline);
+  // Whether the engine has ended (reaped; none runs while backing off), without waiting.
+  bool ended();
 
  private:
   void start(Clock::time_point now);
@@ -101,5 +104,18 @@ class EngineChild {
   Clock::time_point restart_at_{};      // kBackingOff until
   int quick_deaths_ = 0;
 };
+
+// How long serve's engines have to stop once signalled before they are killed: ChildProcess's
+// grace, or the drain they were given (--engine-arg=--shutdown-timeout N) and a margin for what
+// an engine does after its drain, when that is longer: an engine killed mid-drain cuts the
+// requests its drain was there to finish.
+std::chrono::milliseconds engine_stop_grace(std::chrono::milliseconds engine_drain);
+
+// Stops `engines` together: each gets terminate() at once, then they have `grace` to end before
+// those left are killed. A stop signal meanwhile (a second Ctrl-C) sends each its second SIGTERM,
+// an engine's order to cut its drain now, as a second signal ends the gateways' drain; said on
+// standard error as `who`.
+void stop_engines(std::span<const std::unique_ptr<EngineChild>> engines,
+                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who);
 
 }  // namespace tandem::cli

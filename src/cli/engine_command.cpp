@@ -667,7 +667,7 @@ void add_engine_command(CLI::App& app) {
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 
-void check_engine_command_line(std::span<const std::string> args) {
+std::chrono::milliseconds check_engine_command_line(std::span<const std::string> args) {
   CLI::App app;
   EngineOptions o;
   CLI::App* cmd = add_engine_subcommand(app, o);
@@ -688,6 +688,7 @@ void check_engine_command_line(std::span<const std::string> args) {
                                                      "of serve cannot print")
                                        : std::string(e.what()));
   }
+  return shutdown_drain(o.shutdown_timeout);
 }
 
 }  // namespace tandem::cli

@@ -289,7 +289,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   };
   // Each role's command line as its engines will check it (a typo in an --engine-arg made every
   // engine exit at its start): first what serve's own flags put there, so an error there names
-  // no --engine-arg the user never gave, then with the user's values.
+  // no --engine-arg the user never gave, then with the user's values, which also say how long the
+  // engines drain at the stop (serve waits that long before it kills one).
+  std::chrono::milliseconds engine_drain{0};
   for (const char* role : mode == gateway::PdMode::kAggregated ? std::vector{"both"}
                                                                : std::vector{"prefill", "decode"}) {
     try {
@@ -303,7 +305,8 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
       throw Error(std::string("serve: ") + e.what());
     }
     try {
-      check_engine_command_line(engine_args(role, EnginePorts{}));
+      engine_drain =
+          std::max(engine_drain, check_engine_command_line(engine_args(role, EnginePorts{})));
     } catch (const Error& e) {
       throw Error(std::string("serve: --engine-arg: ") + e.what());
     }
@@ -432,9 +435,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   std::vector<gateway::Gateway*> replicas;
   for (auto& gw : gateways) replicas.push_back(gw.get());
   stop_gateways(replicas, g.shutdown_timeout, stop_signals, "tandem serve", sig);
-  for (auto& c : children) c->terminate();  // all at once, then wait for each
-  const auto deadline = EngineChild::Clock::now() + ChildProcess::kStopGrace;
-  for (auto& c : children) c->wait_until(deadline);
+  stop_engines(children, engine_stop_grace(engine_drain), stop_signals, "tandem serve");
   children.clear();
 }
 
@@ -489,7 +490,9 @@ void add_serve_command(CLI::App& app) {
                 "batch-invariant numerics in every engine (see `tandem engine --batch-invariant`)");
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
-                  "--engine-arg=0.25 (repeatable)");
+                  "--engine-arg=0.25 (repeatable); the engines drain nothing at the stop (the "
+                  "gateway has) unless given --shutdown-timeout this way, which serve then waits "
+                  "for (plus 10 s) before it kills them");
   cmd->add_option("--access-log", o->access_log,
                   "gateway access log: a file (replica k > 0 of --gateways writes FILE.k), or - "
                   "for stdout");

@@ -1,11 +1,15 @@
 #include "cli/engine_child.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -172,6 +176,50 @@ TEST(EngineChild, ARunningEngineGetsOneStopSignalAndItsGraceToDrain) {
   ASSERT_TRUE(eventually([&] { return signals_seen() == "TERM\n"; })) << signals_seen();
   child.wait_until(EngineChild::Clock::now() + std::chrono::milliseconds(300));
   EXPECT_EQ(signals_seen(), "TERM\n");
+  std::filesystem::remove(seen);
+}
+
+// An engine given a drain longer than the default grace (--engine-arg=--shutdown-timeout 60)
+// is not killed in the middle of it: serve waits for the drain and a margin.
+TEST(EngineStopGrace, IsTheEnginesDrainAndAMarginWhenThatIsLongerThanTheDefault) {
+  EXPECT_EQ(engine_stop_grace(0ms), ChildProcess::kStopGrace);
+  EXPECT_EQ(engine_stop_grace(5s), ChildProcess::kStopGrace);
+  EXPECT_GT(engine_stop_grace(60s), 60s);
+  EXPECT_GT(engine_stop_grace(ChildProcess::kStopGrace), ChildProcess::kStopGrace);
+}
+
+// A second Ctrl-C while serve waits for its engines to drain cuts their drain, as it cuts the
+// gateways': each engine gets its second SIGTERM and ends now, not at the deadline's SIGKILL.
+// This engine drains until a second SIGTERM comes, then says it ended by itself.
+TEST(EngineChild, AnotherStopSignalWhileTheEnginesDrainSendsEachItsSecondSigterm) {
+  const StopSignals signals;
+  const std::filesystem::path seen = test::temp_path("engine-stop-signals");
+  const auto args = [f = seen.string()](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "n=0; trap 'n=$((n+1)); echo TERM >> \"$1\"' TERM; "
+        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role both'; while [ $n -lt 2 ]; do sleep 0.01 & wait $!; done; "
+        "echo END >> \"$1\"",
+        "sh", f};
+  };
+  const auto signals_seen = [&] {
+    std::ifstream in(seen);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::vector<std::unique_ptr<EngineChild>> engines;
+  engines.push_back(std::make_unique<EngineChild>(options(5min), args, signals));
+  ASSERT_EQ(engines[0]->state(), EngineChild::State::kRunning);
+  // The second Ctrl-C, once the engine drains after the first SIGTERM (two pending at once would
+  // count as one); to this thread, which alone waits for it (StopSignals blocked it here).
+  const pthread_t waiting = ::pthread_self();
+  std::thread second_ctrl_c([&] {
+    if (eventually([&] { return signals_seen() == "TERM\n"; })) ::pthread_kill(waiting, SIGINT);
+  });
+  // A grace no passing test waits for: the engine ends long before it, or is killed at it (no END).
+  stop_engines(engines, 2min, signals, "test");
+  second_ctrl_c.join();
+  EXPECT_EQ(signals_seen(), "TERM\nTERM\nEND\n");
   std::filesystem::remove(seen);
 }
 
