@@ -68,27 +68,30 @@ std::pair<std::string, uint16_t> split_url(const std::string& url, const std::st
 }
 
 // The first model a server lists at /v1/models, as vLLM's bench takes it when --model is not
-// given; empty (with a warning) when the server lists none or answers with an error, and then no
-// model is sent, which servers serving one model accept. A server that does not answer at all
-// (nothing listens there) is an error: every request of the run would fail the same way.
+// given; empty (with a warning) when the server lists none, answers with an error or not in time
+// (a busy server may still serve the run), and then no model is sent, which servers serving one
+// model accept. An address nothing listens at is an error: every request of the run would fail the
+// same way.
 std::string first_served_model(const std::string& base_url, const std::string& host, uint16_t port,
                                const std::string& api_key) {
   std::string why;
-  net::HttpClientResponse r;
   try {
     net::Headers headers;
     if (!api_key.empty()) headers.set("Authorization", "Bearer " + api_key);
-    r = net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
-  } catch (const std::exception& e) {
+    const net::HttpClientResponse r =
+        net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
+    if (r.status != 200)
+      why = "HTTP " + std::to_string(r.status);
+    else if (auto id = api::first_model_id(r.body))
+      return *id;
+    else
+      why = "it lists no model";
+  } catch (const net::HttpConnectError& e) {
     throw Error("--base-url " + base_url + ": no server answered GET /v1/models (" + e.what() +
                 "); start one first (tandem serve listens on port " +
                 std::to_string(kDefaultGatewayPort) + " by default)");
-  }
-  if (r.status == 200) {
-    if (auto id = api::first_model_id(r.body)) return *id;
-    why = "it lists no model";
-  } else {
-    why = "HTTP " + std::to_string(r.status);
+  } catch (const Error& e) {
+    why = e.what();  // a timeout, a malformed answer
   }
   std::fprintf(stderr,
                "tandem bench: warning: no --model, and /v1/models gave none (%s): requests are "

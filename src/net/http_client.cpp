@@ -87,9 +87,16 @@ class HttpClient::Impl {
 
   [[noreturn]] void fail(std::string_view step, std::string_view why = {}) {
     close();
+    throw Error(failure(step, why));
+  }
+  [[noreturn]] void fail_to_connect(std::string_view step, std::string_view why) {
+    close();
+    throw HttpConnectError(failure(step, why));
+  }
+  std::string failure(std::string_view step, std::string_view why) const {
     std::string message = "HTTP " + what_ + ": " + std::string(step);
     if (!why.empty()) message += ": " + std::string(why);
-    throw Error(message);
+    return message;
   }
 
   // Waits until the socket is ready for `events` or the deadline passes (then fails `step`).
@@ -107,7 +114,7 @@ class HttpClient::Impl {
   void connect() {
     std::string error;
     std::vector<detail::Address> addresses = detail::resolve(host_, port_, false, error);
-    if (addresses.empty()) fail("cannot resolve host", error);
+    if (addresses.empty()) fail_to_connect("cannot resolve host", error);
     const auto deadline = Clock::now() + timeout_;
     int last = 0;
     for (const detail::Address& a : addresses) {
@@ -125,7 +132,7 @@ class HttpClient::Impl {
       ::close(fd_);
       fd_ = -1;
     }
-    fail("cannot connect", std::strerror(last));
+    fail_to_connect("cannot connect", std::strerror(last));
   }
 
   // Sends the request: 0, or the errno that stopped it before its end.

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "net/http.h"
+#include "util/error.h"
 
 namespace tandem::net {
 
@@ -35,9 +36,17 @@ struct HttpClientOptions {
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
+// No connection was made: the host does not resolve, or every address refused (or was
+// unreachable). Nothing listens there; unlike a timeout, which a busy server may cause.
+class HttpConnectError : public Error {
+ public:
+  using Error::Error;
+};
+
 // One keep-alive connection to host:port, opened on first use and reopened when the server
 // closed it. Not thread-safe: one request at a time. Failures (connect, timeout, malformed
-// response) throw tandem::Error; an HTTP error status is a normal response.
+// response) throw tandem::Error (HttpConnectError for no connection); an HTTP error status is a
+// normal response.
 class HttpClient {
  public:
   HttpClient(std::string host, uint16_t port, HttpClientOptions options);

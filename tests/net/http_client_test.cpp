@@ -156,5 +156,25 @@ TEST(HttpClient, ABodyUntilCloseCutByAResetIsAnError) {
   EXPECT_EQ(body, "part");
 }
 
+// bench stops when nothing listens at --base-url but only warns when a server is slow to answer:
+// the client tells a failed connection (refused, a host that does not resolve) from a timeout.
+TEST(HttpClient, AFailedConnectionIsAConnectErrorAndATimeoutIsNot) {
+  // Port 1 refuses at once.
+  EXPECT_THROW(http_request("127.0.0.1", 1, "GET", "/v1/models"), HttpConnectError);
+  EXPECT_THROW(http_request("999.1.1.1", 80, "GET", "/v1/models"), HttpConnectError);
+  // A listener that never accepts: the kernel completes the connection, no answer comes.
+  uint16_t port = 0;
+  const int listener = listen_on_loopback(port, 65536);
+  try {
+    http_request("127.0.0.1", port, "GET", "/v1/models", {}, {}, std::chrono::milliseconds(50));
+    ADD_FAILURE() << "answered";
+  } catch (const HttpConnectError& e) {
+    ADD_FAILURE() << "a timeout taken for no server: " << e.what();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+  }
+  ::close(listener);
+}
+
 }  // namespace
 }  // namespace tandem::net
