@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/generation_config_flags.h"
+#include "cli/number_checks.h"
 #include "engine/generate.h"
 #include "model/config.h"
 #include "model/model_folder.h"
@@ -137,6 +138,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--max-tokens", s.max_tokens,
                   "tokens to generate at most (default: the generation config's max_new_tokens, "
                   "else 64)")
+      ->check(positive_number())
       ->each(given(o->max_tokens_set));
   cmd->add_option("--temperature", s.temperature,
                   "0 for greedy (default: the generation config's, else 1)")

@@ -1018,7 +1018,7 @@ TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
       {"--scheduling-policy lifo", "--scheduling-policy: expected fcfs or priority"},
       {"--kv-cache-gb 100000", "--kv-cache-gb 100000: "},
       {"--num-kv-blocks 3000000000", "--num-kv-blocks 3000000000: "},
-      {"--kv-events-config '{bad'", "kv-events-config: not valid JSON"},
+      {"--kv-events-config '{bad'", "--kv-events-config: not valid JSON"},
       {"--max-model-len 999999", "--max-model-len 999999 exceeds the model's context of"},
       {"--kv-transfer-secret-file " + test::quote(dir / "no-such-secret"), "no-such-secret"}};
   for (const auto& [flags, error] : cases) {
@@ -1370,6 +1370,14 @@ TEST(Cli, GenerateSendsAQwen3CheckpointToTheEngine) {
                                   "generate runs DeepSeek checkpoints only"));
   EXPECT_THAT(r.output, HasSubstr("tandem engine --model " + dir.string()));
   std::filesystem::remove_all(dir);
+}
+
+// `generate --max-tokens 0` was refused naming the request field ('max_tokens'), not the flag,
+// and only once the command ran; now as the command line is read, before any model is opened.
+TEST(Cli, GenerateRefusesMaxTokensBelowOneNamingTheFlag) {
+  const auto r = run("generate --model / --prompt hi --max-tokens 0");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--max-tokens: must be a positive number, got 0"));
 }
 
 // The final line of a load said "done (135)", of a quantization "done (66523744)": now what the

@@ -133,9 +133,9 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
   try {
     j = parse_untrusted_json(json);  // depth-bounded: a value may be quoted in an error
   } catch (const Error& e) {
-    throw Error(std::string("kv-events-config: not valid JSON: ") + e.what());
+    throw Error(std::string("--kv-events-config: not valid JSON: ") + e.what());
   }
-  if (!j.is_object()) throw Error("kv-events-config: expected a JSON object");
+  if (!j.is_object()) throw Error("--kv-events-config: expected a JSON object");
   KvEventsConfig config;
   bool publisher_given = false;
   // Bounded above too: hwm is a ZMQ int (a larger value wrapped, and 2^32 became 0, which ZMQ
@@ -145,25 +145,25 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
     const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(max)
                                                  : v.is_number_integer() && v.get<int64_t>() <= max;
     if (!in_range || v.get<int64_t>() < min) {
-      throw Error("kv-events-config: '" + key + "' must be an integer from " + std::to_string(min) +
-                  " to " + std::to_string(max) + ", got " + json_excerpt(v));
+      throw Error("--kv-events-config: '" + key + "' must be an integer from " +
+                  std::to_string(min) + " to " + std::to_string(max) + ", got " + json_excerpt(v));
     }
     return v.get<int64_t>();
   };
   const auto string = [](const std::string& key, const nlohmann::json& v) {
-    if (!v.is_string()) throw Error("kv-events-config: '" + key + "' must be a string");
+    if (!v.is_string()) throw Error("--kv-events-config: '" + key + "' must be a string");
     return v.get<std::string>();
   };
   for (const auto& [key, v] : j.items()) {
     if (key == "enable_kv_cache_events") {
-      if (!v.is_boolean()) throw Error("kv-events-config: '" + key + "' must be true or false");
+      if (!v.is_boolean()) throw Error("--kv-events-config: '" + key + "' must be true or false");
       config.enable_kv_cache_events = v.get<bool>();
     } else if (key == "publisher") {
       if (!v.is_null()) {
         config.publisher = string(key, v);
         publisher_given = true;
         if (config.publisher != "null" && config.publisher != "zmq") {
-          throw Error("kv-events-config: 'publisher' must be \"null\" or \"zmq\", got " +
+          throw Error("--kv-events-config: 'publisher' must be \"null\" or \"zmq\", got " +
                       json_excerpt(v));
         }
       }
@@ -183,7 +183,7 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
     } else if (key == "topic") {
       config.topic = string(key, v);
     } else {
-      throw Error("kv-events-config: unknown field '" + key +
+      throw Error("--kv-events-config: unknown field '" + key +
                   "' (known: enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
                   "buffer_steps, hwm, max_queue_size, topic)");
     }
