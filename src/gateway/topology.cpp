@@ -126,11 +126,11 @@ Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
     rest = rest.substr(scheme + 3);
     if (!rest.empty() && rest.back() == '/') rest.pop_back();
   }
-  // A URL with a path (an OpenAI base URL, .../v1) names more than an engine's address: said with
+  // A URL with a path (an OpenAI base URL, .../v1) names more than an address: said with
   // the address to give, as a pasted base URL is the likely case.
   if (const auto slash = rest.find('/'); slash != std::string::npos)
     throw Error(what + ": expected " + kEndpointForms + ", got " + quoted(text) +
-                ": give the engine's address without a path, " +
+                ": give the address without a path, " +
                 quoted(scheme_text + rest.substr(0, slash)));
   if (const auto at = rest.find('@'); at != std::string::npos) {
     e.bootstrap_port = parse_port(rest.substr(at + 1), what, text);

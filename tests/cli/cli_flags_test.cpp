@@ -185,7 +185,7 @@ TEST(CliFlags, GatewayAndServeErrorsNameTheFlagGiven) {
            std::pair{"gateway --port 0 --decode http://127.0.0.1:18041/v1",
                      "tandem: error: --decode: expected HOST:PORT, http://HOST:PORT or "
                      "HOST:PORT@BOOTSTRAP_PORT, got 'http://127.0.0.1:18041/v1': give the "
-                     "engine's address without a path, 'http://127.0.0.1:18041'"},
+                     "address without a path, 'http://127.0.0.1:18041'"},
            std::pair{"gateway --port 0 --mode parallel --prefill 127.0.0.1:1/v1 --decode "
                      "127.0.0.1:2",
                      "tandem: error: --prefill: expected "},
@@ -203,8 +203,11 @@ TEST(CliFlags, GatewayAndServeErrorsNameTheFlagGiven) {
            std::pair{"serve --port 0 --mode foo", "tandem: error: --mode: expected aggregated"},
            std::pair{"serve --port 0 --policy foo",
                      "tandem: error: --policy: unknown scheduling policy 'foo'"},
+           // Not "the engine's address": bench's --base-url may be a gateway's.
            std::pair{"bench --base-url http://127.0.0.1:1/v1",
-                     "tandem: error: --base-url: expected HOST:PORT"},
+                     "tandem: error: --base-url: expected HOST:PORT, http://HOST:PORT or "
+                     "HOST:PORT@BOOTSTRAP_PORT, got 'http://127.0.0.1:1/v1': give the address "
+                     "without a path, 'http://127.0.0.1:1'"},
        }) {
     const Result r = run(args, env);
     EXPECT_EQ(r.status, 1) << args << ": " << r.output;
