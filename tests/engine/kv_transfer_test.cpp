@@ -248,18 +248,25 @@ TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
 }
 
 // A connection's deadline (set_deadline: the agents' handshake and release bounds) ends its
-// receives however the peer keeps talking: a peer that sends a small frame every few
-// milliseconds, each well within the I/O timeout, is cut off at the deadline (200 ms) while it
-// still has frames to send. Only the outcome is checked, not when.
-TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerKeepsSending) {
+// receives however the peer keeps talking, whether each receive waits for a frame or finds one
+// already there: the peer sends kFrames small frames, `peer_pace` apart, to a reader that takes
+// one each `reader_pace`; the receives end at the deadline (200 ms) with frames still to come.
+// Only the outcome is checked, not when. The paces set who runs ahead, not a wait for anything.
+void expect_receives_end_at_the_deadline(const std::string& transport,
+                                         std::chrono::milliseconds peer_pace,
+                                         std::chrono::milliseconds reader_pace) {
   // An I/O timeout past the hang guard: only the deadline can end the receives.
-  auto p = connect_pair(GetParam(), 2 * kHangGuard);
-  const int kFrames = 2000;  // 10 s of them at the peer's pace
+  auto p = connect_pair(transport, 2 * kHangGuard);
+  const int kFrames = 1000;  // 1 s or more at either pace
   std::atomic<bool> stop{false};
   auto peer = std::async(std::launch::async, [&] {
-    for (int i = 0; i < kFrames && !stop; ++i) {
-      send_text(*p->server, KvFrameType::kProgress, "{}");
-      std::this_thread::sleep_for(5ms);  // the peer's pace, not a wait for anything
+    try {
+      for (int i = 0; i < kFrames && !stop; ++i) {
+        send_text(*p->server, KvFrameType::kProgress, "{}");
+        std::this_thread::sleep_for(peer_pace);
+      }
+    } catch (const Error&) {
+      // A peer still sending when the reader left ends at the shutdown below.
     }
   });
   p->client->set_deadline(std::chrono::steady_clock::now() + 200ms);
@@ -269,6 +276,7 @@ TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerKeepsSending) {
       for (;;) {
         p->client->receive(1024);
         ++received;
+        std::this_thread::sleep_for(reader_pace);
       }
     });
     return std::pair(received, e);
@@ -276,9 +284,19 @@ TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerKeepsSending) {
   const auto [received, error] =
       get_within(reader, kHangGuard, "the receives went on past the connection's deadline");
   stop = true;
+  p->server->shutdown();
   get_within(peer, kHangGuard, "the peer's sends never ended");
   EXPECT_THAT(error, HasSubstr("timed out receiving"));
   EXPECT_LT(received, kFrames);
+}
+
+TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerKeepsSending) {
+  expect_receives_end_at_the_deadline(GetParam(), /*peer_pace=*/5ms, /*reader_pace=*/0ms);
+}
+
+// A peer that sends faster than the reader reads: every receive finds a frame waiting.
+TEST_P(KvTransports, AReceiveEndsAtTheDeadlineThoughThePeerFloodsIt) {
+  expect_receives_end_at_the_deadline(GetParam(), /*peer_pace=*/0ms, /*reader_pace=*/1ms);
 }
 
 TEST_P(KvTransports, ShutdownFromAnotherThreadUnblocksAReceive) {
@@ -2315,12 +2333,15 @@ class PacedPeer : public KvConnection {
   bool peer_gone() override { return false; }
   std::string peer() const override { return "127.0.0.1:1"; }
   const char* kind() const override { return "fake"; }
+  // As a real connection under an agent on the test clock: it bounds its calls in real time,
+  // which that clock (an hour ahead) never sees pass.
+  void ignore_deadlines() { ignores_deadlines_ = true; }
 
  private:
   void wait(std::chrono::milliseconds pace) {
     const auto until = kv_call_deadline(clock_.peek(), timeout_, deadline_);
     clock_.advance(pace);
-    if (clock_.peek() > until) throw Error("timed out receiving");
+    if (clock_.peek() > until && !ignores_deadlines_) throw Error("timed out receiving");
   }
   const std::pair<KvFrameType, std::string>& frame() const {
     return frames_[std::min(given_, frames_.size() - 1)];
@@ -2332,6 +2353,7 @@ class PacedPeer : public KvConnection {
   std::shared_ptr<Seen> seen_;
   std::chrono::milliseconds timeout_{std::chrono::hours(1)};
   std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+  bool ignores_deadlines_ = false;
 };
 
 // Every connection is a PacedPeer: made by connect(), or the one accept() gives before it waits
@@ -2445,6 +2467,28 @@ TEST_F(KvTransferAgents, EachProgressOfTheRoomsPromptRestartsTheDecodeEnginesWai
   EXPECT_THAT(r.error, HasSubstr("the test's refusal at 6 s"));
   EXPECT_THAT(r.error, Not(HasSubstr("no progress")));
   EXPECT_EQ(seen->frames_given, 6);
+}
+
+// A prefill engine that floods a waiting room with progress frames that do not advance (each
+// receive finds one ready) fails the fetch at the timeout (3 s) all the same: the wait ended only
+// when a receive failed, and a connection whose receives never fail held the decode leg until
+// the prefill engine said something else (here its refusal at 10 s).
+TEST_F(KvTransferAgents, ProgressFramesThatDoNotAdvanceFailARoomAtTheTimeoutHoweverFast) {
+  decode_timeout_s_ = 3;
+  decode_on_test_clock_ = true;
+  port_override_ = 1;
+  PacedPeer::Frames frames(9, {KvFrameType::kProgress, json{{"computed_tokens", 1}}.dump()});
+  frames.push_back({KvFrameType::kError, json{{"message", "the test's refusal at 10 s"}}.dump()});
+  auto seen = std::make_shared<PacedPeer::Seen>();
+  decode_ = make_decode(decode_exec_, decode_metrics_, std::make_unique<PacedTransport>([&] {
+                          auto peer = std::make_unique<PacedPeer>(clock_, frames, 1s, 0ms, seen);
+                          peer->ignore_deadlines();
+                          return peer;
+                        }));
+  const KvFetchResult r = wait(fetch(enter_room(7, local_, "req-flooded")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("the prefill of bootstrap_room 7 made no progress within 3 s"));
+  EXPECT_LT(seen->frames_given, 10);
 }
 
 // A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once

@@ -1543,6 +1543,12 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
   // counting past the prompt) must not hold this leg, and the blocks reserved for it, forever.
   int64_t computed = 0;
   auto until = deadline();
+  const auto no_progress = [&] {
+    return Error("the prefill of bootstrap_room " + std::to_string(f.room) +
+                 " made no progress within " + seconds_text(config_.timeout_s) + " s (" +
+                 std::to_string(computed) + " of its " + std::to_string(f.prompt_tokens) +
+                 " tokens computed)");
+  };
   for (;;) {
     conn.set_deadline(until);
     KvFrame frame;
@@ -1550,10 +1556,7 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
       frame = conn.receive(kControlLimit);
     } catch (const std::exception& e) {
       if (now() < until) throw;
-      throw Error("the prefill of bootstrap_room " + std::to_string(f.room) +
-                  " made no progress within " + seconds_text(config_.timeout_s) + " s (" +
-                  std::to_string(computed) + " of its " + std::to_string(f.prompt_tokens) +
-                  " tokens computed)");
+      throw no_progress();
     }
     if (frame.type != KvFrameType::kProgress) {
       conn.set_deadline(Clock::time_point::max());
@@ -1566,8 +1569,12 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
       if (n > computed && n <= f.prompt_tokens) {
         computed = n;
         until = deadline();
+        continue;
       }
     }
+    // A prefill engine flooding frames that do not advance never fails a receive: the bound is
+    // checked here too (the connection's own is in real time; this clock may be another).
+    if (now() >= until) throw no_progress();
   }
 }
 

@@ -284,7 +284,14 @@ class ShmConnection : public KvConnection {
     const auto now = Clock::now();
     const auto deadline = kv_call_deadline(now, timeout_, deadline_);
     wait_ms_ = kv_wait_ms(now, deadline);
+    // wait() sees the deadline only when the ring is empty (or full): a peer that keeps it
+    // otherwise would hold a step of many calls past it.
+    if (now >= deadline_) timed_out();
     return deadline;
+  }
+
+  [[noreturn]] void timed_out() {
+    fail(std::string("timed out ") + what_ + " after " + std::to_string(wait_ms_) + " ms");
   }
 
   [[noreturn]] void fail(const std::string& why) {
@@ -310,8 +317,7 @@ class ShmConnection : public KvConnection {
         if (word.load(std::memory_order_acquire) != seen) return;
         fail(std::string(what_) + " failed: connection closed by peer");
       }
-      if (Clock::now() >= deadline)
-        fail(std::string("timed out ") + what_ + " after " + std::to_string(wait_ms_) + " ms");
+      if (Clock::now() >= deadline) timed_out();
       sleepers.fetch_add(1, std::memory_order_seq_cst);
       if (word.load(std::memory_order_seq_cst) == seen) wait_while_equal(word, seen, 20);
       sleepers.fetch_sub(1, std::memory_order_seq_cst);

@@ -111,6 +111,9 @@ class TcpConnection : public KvConnection {
     if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
     const auto now = Clock::now();
     const auto deadline = kv_call_deadline(now, timeout_, deadline_);
+    // The wait below sees the deadline only when nothing is ready: a peer that keeps the socket
+    // full (or drained) would hold a step of many calls past it.
+    if (now >= deadline_) timed_out(what, now, deadline);
     size_t first = 0;
     while (first < iov.size()) {
       msghdr m{};
@@ -133,11 +136,7 @@ class TcpConnection : public KvConnection {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         if (stopped_) fail("connection shut down");
-        if (!wait_ready(fd_, sending ? POLLOUT : POLLIN, deadline)) {
-          broken_ = true;  // part of a frame may have gone: the stream is out of step
-          throw Error("KV transfer with " + peer_ + ": timed out " + what + " after " +
-                      std::to_string(kv_wait_ms(now, deadline)) + " ms");
-        }
+        if (!wait_ready(fd_, sending ? POLLOUT : POLLIN, deadline)) timed_out(what, now, deadline);
         continue;
       }
       if (stopped_) fail("connection shut down");
@@ -151,6 +150,14 @@ class TcpConnection : public KvConnection {
   [[noreturn]] void fail(const std::string& why) {
     broken_ = true;
     throw Error("KV transfer with " + peer_ + ": " + why);
+  }
+
+  // Part of a frame may have gone (or a frame's header without its payload): the stream is out
+  // of step.
+  [[noreturn]] void timed_out(const char* what, Clock::time_point start,
+                              Clock::time_point deadline) {
+    fail(std::string("timed out ") + what + " after " +
+         std::to_string(kv_wait_ms(start, deadline)) + " ms");
   }
 
   const int fd_;
