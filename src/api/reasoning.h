@@ -36,7 +36,7 @@ class ReasoningParser {
  public:
   // An answer that never closes its reasoning is all reasoning (cut off while thinking), as
   // vLLM's deepseek_r1 and qwen3 (thinking on) read it. `all_content`: the prompt ended the
-  // reasoning (prompt_ends_reasoning), so none comes.
+  // reasoning (prompt_ends_reasoning, or qwen3 with enable_thinking false), so none comes.
   explicit ReasoningParser(bool all_content);
 
   // The next text of the answer. Text that may still turn out to be a marker is held back.

@@ -861,12 +861,19 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (continue_final_message)
     rendered = continue_final(std::move(rendered), final_message, continued_at);
   r.reasoning = limits.reasoning;
+  // Whether the prompt closed the reasoning already (it ends with </think>, or a continued final
+  // message closed it): it alone decides when a constrained answer's grammar holds (below), as
+  // vLLM's structured outputs decide from the prompt's ids.
+  bool prompt_closed = false;
   if (r.reasoning != ReasoningFormat::kNone) {
-    // An answer whose prompt closed the reasoning already (it ends with </think>, or a
-    // continued final message closed it) is all content. The prompt alone decides, as vLLM
-    // decides from its ids: Qwen3's template with enable_thinking false closes it there, and a
-    // template that ignores the switch (one that always opens <think>) leaves it open.
-    r.reasoning_all_content = prompt_ends_reasoning(rendered, continued_at);
+    prompt_closed = prompt_ends_reasoning(rendered, continued_at);
+    // The split of the answer also follows vLLM's qwen3 parser, which reads an answer with
+    // enable_thinking false as content whatever the template wrote (one without think markers,
+    // as Qwen3-Instruct-2507's, never closes the reasoning in the prompt).
+    const json* kw = field(body, "chat_template_kwargs");
+    const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
+                              kw->value("enable_thinking", json(true)) == json(false);
+    r.reasoning_all_content = prompt_closed || thinking_off;
   }
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.
@@ -912,9 +919,10 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // first: the grammar holds after the </think> token, as vLLM's structured outputs with a
   // reasoning parser apply it once is_reasoning_end sees that token. With the reasoning closed by
   // the prompt, or no </think> token to wait for, the grammar holds from the first token and the
-  // answer is all content.
+  // answer is all content. (qwen3 with enable_thinking false and a prompt left open: the grammar
+  // waits as vLLM's does, and the answer is read as content as vLLM's parser reads it.)
   if (r.sampling.structured_output) {
-    if (r.reasoning != ReasoningFormat::kNone && !r.reasoning_all_content)
+    if (r.reasoning != ReasoningFormat::kNone && !prompt_closed)
       r.sampling.reasoning_end_token = tokenizer.token_to_id(kReasoningEnd);
     if (!r.sampling.reasoning_end_token) r.reasoning_all_content = true;
   }

@@ -84,8 +84,9 @@ struct ApiRequest {
   // streamed and whole; "required" also stops the model after one).
   bool parallel_tool_calls = true;
   // Chat with the engine's --reasoning-parser: the answer's <think> reasoning is read apart
-  // (kNone: none is), and `reasoning_all_content` when the prompt already ended it (or a
-  // constrained answer is constrained from its first token: SamplingParams::reasoning_end_token).
+  // (kNone: none is), and `reasoning_all_content` when the prompt already ended it, qwen3's
+  // enable_thinking is false, or a constrained answer is constrained from its first token
+  // (SamplingParams::reasoning_end_token).
   ReasoningFormat reasoning = ReasoningFormat::kNone;
   bool reasoning_all_content = false;
 

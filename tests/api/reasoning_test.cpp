@@ -208,9 +208,11 @@ TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromIts
   }
 }
 
-// The prompt alone decides, not enable_thinking: a template that ignores it and always opens the
-// think block (Qwen3-Thinking-2507's, QwQ's) leaves the reasoning open, so a constrained answer
-// still thinks first, as vLLM decides from the prompt's ids.
+// enable_thinking false with a template that ignores it: the prompt alone decides when a
+// constrained answer's grammar holds (vLLM's structured outputs read the prompt's ids), and the
+// answer is read as content as vLLM's qwen3 parser reads any answer with thinking switched off.
+// A template that always opens the think block (Qwen3-Thinking-2507's, QwQ's) leaves the
+// reasoning open, so the grammar waits for </think>.
 TEST(Reasoning, AThinkBlockTheTemplateOpensAnywayStaysOpenWithThinkingSwitchedOff) {
   const ModelLimits limits{.model_name = "m",
                            .max_model_len = 4096,
@@ -224,8 +226,30 @@ TEST(Reasoning, AThinkBlockTheTemplateOpensAnywayStaysOpenWithThinkingSwitchedOf
                      {"chat_template_kwargs", {{"enable_thinking", false}}},
                      {"response_format", {{"type", "json_object"}}}};
   const ApiRequest r = parse_chat(body, qwen3(), &always_thinks, limits);
-  EXPECT_FALSE(r.reasoning_all_content);
+  EXPECT_TRUE(r.reasoning_all_content);
   EXPECT_EQ(r.sampling.reasoning_end_token, qwen3().token_to_id("</think>"));
+}
+
+// A template without think markers (Qwen3-Instruct-2507's, a --chat-template override) never
+// closes the reasoning in the prompt: with enable_thinking false the answer is content, whole and
+// streamed, as vLLM's qwen3 parser reads it; thinking on, an answer without </think> is reasoning.
+TEST(Reasoning, AnAnswerWithThinkingSwitchedOffIsContentWhenTheTemplateWritesNoThinkMarkers) {
+  const ModelLimits limits{.model_name = "m",
+                           .max_model_len = 4096,
+                           .vocab_size = 151936,
+                           .reasoning = ReasoningFormat::kQwen3};
+  const text::ChatTemplate no_markers(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+  json body = {{"model", "m"},
+               {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+               {"chat_template_kwargs", {{"enable_thinking", false}}}};
+  const ApiRequest off = parse_chat(body, qwen3(), &no_markers, limits);
+  EXPECT_FALSE(prompt_ends_reasoning(qwen3().decode(off.prompts[0], false)));
+  EXPECT_TRUE(off.reasoning_all_content);
+  EXPECT_EQ(parse_every_way("Hello!", off.reasoning_all_content).content, "Hello!");
+  body["chat_template_kwargs"] = {{"enable_thinking", true}};
+  EXPECT_FALSE(parse_chat(body, qwen3(), &no_markers, limits).reasoning_all_content);
 }
 
 struct Rendered {
