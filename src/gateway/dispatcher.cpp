@@ -168,21 +168,10 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
     for (const RequestPtr& r : group) answer_error(r, 400, why);
     return;
   }
-  // Past the byte bound: refused before make_room, which would shed lower classes' requests for
-  // a place that would not admit these.
-  if (options_.max_queued_body_bytes > 0 && !waiting_.empty()) {
-    size_t bytes = 0;
-    for (const RequestPtr& r : group)
-      if (!r->ended()) bytes += body_bytes(*r);
-    if (queued_body_bytes_ + bytes > options_.max_queued_body_bytes) {
-      const std::string why = "the gateway queue is full (" + std::to_string(queued_body_bytes_) +
-                              " bytes of request bodies waiting, max_queued_body_bytes " +
-                              std::to_string(options_.max_queued_body_bytes) + "); retry later";
-      for (const RequestPtr& r : group) answer_overload(r, 429, why);
-      return;
-    }
-  }
-  const std::string refused = make_room(arriving_class);
+  size_t bytes = 0;
+  for (const RequestPtr& r : group)
+    if (!r->ended()) bytes += body_bytes(*r);
+  const std::string refused = make_room(arriving_class, bytes);
   bool queued = false;
   for (const RequestPtr& r : group) {
     if (r->ended()) continue;
@@ -203,15 +192,26 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
 // A full queue gives a higher class's arrival the place of lower classes' waiting requests
 // (docs/gateway.md, "Priority classes"): interactive traffic must not be refused behind batch
 // traffic, whether it asks for one choice or several.
-std::string Dispatcher::make_room(int arriving_class) {
+std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
   const size_t max = topo_.max_queue;
   // One free place admits an arrival whole: a group of n overshoots max_queue by at most n - 1
   // (n <= max_queue: submit). Needing all n places at once, a group met a queue kept near its
   // bound by single requests full every time, and starved. Retries and decode stages rejoin the
   // queue past its bound (they are no arrivals).
-  if (waiting_.size() < max) return {};
+  const size_t to_free = waiting_.size() < max ? 0 : waiting_.size() - max + 1;
+  // The byte bound holds unless nothing waits: freeing every waiting body admits any arrival.
+  const size_t max_bytes = options_.max_queued_body_bytes;
+  const size_t bytes_to_free =
+      max_bytes == 0 || queued_body_bytes_ + arriving_bytes <= max_bytes
+          ? 0
+          : std::min(queued_body_bytes_ + arriving_bytes - max_bytes, queued_body_bytes_);
+  if (to_free == 0 && bytes_to_free == 0) return {};
   const std::string full =
-      "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later";
+      to_free > 0
+          ? "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later"
+          : "the gateway queue is full (" + std::to_string(queued_body_bytes_) +
+                " bytes of request bodies waiting, max_queued_body_bytes " +
+                std::to_string(max_bytes) + "); retry later";
   // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
   if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return full;
   // Only work never sent to an engine gives up its place: a request waiting to decode, or for a
@@ -226,38 +226,43 @@ std::string Dispatcher::make_room(int arriving_class) {
   // front, so from the back the first of a class is its newest. A group (Request::submitted_with)
   // gives up all its places or none, and none while any of its choices was sent (shed, the choices
   // under way would fail with it). As many are shed as free one place (the queue may be past its
-  // bound: groups, retries); if all of them would not, none is.
+  // bound: groups, retries) and the arrival's bytes; if all of them would not, none is.
   struct Unit {
     int priority_class;
     RequestPtr newest;
-    size_t places;
+    size_t places, bytes;
   };
   std::vector<Unit> units;
   std::unordered_set<const void*> groups_seen;
   for (size_t i = waiting_.size(); i-- > 0;) {
     Request& r = *waiting_[i];
     if (!sheddable(r)) continue;
-    size_t places = 1;
+    size_t places = 1, bytes = body_bytes(r);
     if (r.submitted_with) {
       if (!groups_seen.insert(r.submitted_with.get()).second) continue;
+      bytes = 0;
       const bool whole =
           std::all_of(r.submitted_with->begin(), r.submitted_with->end(), [&](const auto& weak) {
             const RequestPtr choice = weak.lock();
-            return choice && sheddable(*choice);
+            if (!choice || !sheddable(*choice)) return false;
+            bytes += body_bytes(*choice);
+            return true;
           });
       if (!whole) continue;
       places = r.submitted_with->size();
     }
-    units.push_back({r.priority_class, waiting_[i], places});
+    units.push_back({r.priority_class, waiting_[i], places, bytes});
   }
   // Lowest class first; within a class the order found, newest first.
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) {
     return a.priority_class > b.priority_class;
   });
-  const size_t to_free = waiting_.size() - max + 1;
-  size_t freed = 0, picked = 0;
-  while (picked < units.size() && freed < to_free) freed += units[picked++].places;
-  if (freed < to_free) return full;
+  size_t freed = 0, freed_bytes = 0, picked = 0;
+  while (picked < units.size() && (freed < to_free || freed_bytes < bytes_to_free)) {
+    freed += units[picked].places;
+    freed_bytes += units[picked++].bytes;
+  }
+  if (freed < to_free || freed_bytes < bytes_to_free) return full;
   std::vector<RequestPtr> shed;
   for (size_t u = 0; u < picked; ++u) {
     if (units[u].newest->submitted_with)
@@ -269,9 +274,11 @@ std::string Dispatcher::make_room(int arriving_class) {
   // holds), then answered: a group's first answer ends its other choices (ChoiceMerger), which
   // must not still count against the bound.
   for (const RequestPtr& r : shed) remove_waiting(r);
-  const std::string why = "the gateway queue is full (" + std::to_string(max) +
-                          " requests waiting) and this request was shed for higher-priority "
-                          "traffic; retry later";
+  const std::string why =
+      (to_free > 0 ? "the gateway queue is full (" + std::to_string(max) + " requests waiting)"
+                   : "the gateway queue is full (max_queued_body_bytes " +
+                         std::to_string(max_bytes) + ")") +
+      " and this request was shed for higher-priority traffic; retry later";
   for (const RequestPtr& r : shed) answer_overload(r, 429, why);
   return {};
 }

@@ -65,8 +65,8 @@ class Dispatcher {
   // must: make_room), or all are refused (429); a client never has some of its choices computed
   // and the rest refused. A group of n overshoots max_queue by at most n - 1; one larger than
   // max_queue is the client's error (400). Past DispatcherOptions::max_queued_body_bytes an
-  // arrival is refused (429) before any lower class is shed for it. Requests already ended are
-  // skipped.
+  // arrival is refused (429) as at a full queue, unless shedding lower classes' requests frees the
+  // bytes (make_room). Requests already ended are skipped.
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
@@ -104,6 +104,8 @@ class Dispatcher {
 
   size_t waiting() const { return waiting_.size(); }
   size_t active() const { return active_.size(); }
+  // Bytes of request bodies the waiting requests hold (DispatcherOptions::max_queued_body_bytes).
+  size_t queued_body_bytes() const { return queued_body_bytes_; }
 
   // ---- any thread
 
@@ -175,11 +177,12 @@ class Dispatcher {
   RequestInfo info(const Request& r) const;
   void enqueue(const RequestPtr& r, bool front);
   void arm_queue_timeout(const RequestPtr& r);
-  // An arrival of `arriving_class` (one request, or a group) needs one free place in the queue:
-  // at a full queue, the newest waiting request of the lowest class ranking below it that was
-  // never sent to an engine is shed, a group (Request::submitted_with) whole, each answered 429.
-  // Empty when the arrival may join; else the 429's text.
-  std::string make_room(int arriving_class);
+  // An arrival of `arriving_class` (one request, or a group) holding `arriving_bytes` of bodies
+  // needs one free place in the queue and room for its bytes (max_queued_body_bytes): where either
+  // lacks, the newest waiting requests of the lowest classes ranking below it that were never sent
+  // to an engine are shed until both fit, a group (Request::submitted_with) whole, each answered
+  // 429. Empty when the arrival may join; else the 429's text.
+  std::string make_room(int arriving_class, size_t arriving_bytes);
   void remove_waiting(const RequestPtr& r);
   // vllm:num_requests_waiting and vllm:num_requests_running (the active ones not waiting).
   void publish_counts();

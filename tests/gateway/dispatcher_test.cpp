@@ -4055,6 +4055,61 @@ TEST(Dispatcher, AFullQueueShedsTheNewestWaitingRequestOfALowerClassForAHigherOn
   EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed requests' queue timers went with them
 }
 
+// The queue's byte bound (DispatcherOptions::max_queued_body_bytes) sheds lower classes as its
+// count bound does: an interactive arrival at a queue whose batch requests hold the bytes takes the
+// place of the newest of them, and only a request that nothing may be shed for is refused. The byte
+// check came before the shedding and refused any arrival, whatever its class.
+TEST(Dispatcher, AHigherClassArrivalPastTheByteBoundShedsALowerClassRequest) {
+  const Topology t = with_classes(aggregated({engine("a", 0, 1)}));
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  size_t per_request = 0;
+  {
+    Cluster probe(t);
+    probe.send_body(body, "k-batch");
+    probe.send_body(body, "k-batch");
+    per_request = probe.dispatcher.queued_body_bytes();
+  }
+  ASSERT_GT(per_request, 0u);
+  Cluster c(t, nullptr, DispatcherOptions{2 * per_request});
+  auto running = c.send_body(body, "k-batch");
+  auto older = c.send_body(body, "k-batch");
+  auto newer = c.send_body(body, "k-batch");
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), 2 * per_request);
+  auto chat = c.send_body(body, "k-chat");
+  EXPECT_FALSE(chat->complete());
+  EXPECT_EQ(newer->status, 429);
+  EXPECT_NE(newer->error_message.find("higher-priority"), std::string::npos)
+      << newer->error_message;
+  EXPECT_FALSE(older->complete());
+  EXPECT_LE(c.dispatcher.queued_body_bytes(), 2 * per_request);  // the classes' bodies differ
+  // A request of the lowest class finds the bytes taken, as before.
+  auto batch = c.send_body(body, "k-batch");
+  EXPECT_EQ(batch->status, 429);
+  EXPECT_NE(batch->error_message.find("max_queued_body_bytes"), std::string::npos)
+      << batch->error_message;
+  for (int i = 0; i < 3; ++i) c.answer_all();
+  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(chat->status, 200);
+  EXPECT_EQ(older->status, 200);
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), 0u);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A waiting request whose client leaves gives its bytes back to the queue's byte bound.
+TEST(Dispatcher, AWaitingRequestWhoseClientLeavesGivesItsBodyBytesBack) {
+  Cluster c(aggregated({engine("a", 0, 1)}), nullptr, DispatcherOptions{size_t{1} << 20});
+  auto running = c.send();
+  auto waiting = c.send();
+  EXPECT_GT(c.dispatcher.queued_body_bytes(), 0u);
+  waiting->leave();
+  c.clock.run_ready();
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), 0u);
+  c.answer_all();
+  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A group (n > 1, a prompt list: one request per choice, ChoiceMerger) is shed whole or not at
 // all: a higher class's arrival sheds every choice of a lower-class group none of whose choices was
 // sent to an engine, its client gets one 429, and the queue stays within max_queue. Groups neither
