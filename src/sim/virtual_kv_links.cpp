@@ -676,12 +676,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       // nobody), as the live agent's serve_register leaves a refusal for it, in its words.
       const uint64_t hash = r.decode->prompt_hash;
       const int64_t tokens = r.decode->prompt_tokens;
-      fail_room(room, "no prefill request with bootstrap_room " + std::to_string(room) +
-                          " arrived within " + seconds_text(config_.timeout_s) + " s");
+      fail_room(room, engine::kv_no_prefill_text(room, config_.timeout_s));
       leave_refusal(room, hash, tokens, engine::kv_room_expired_text(room, config_.timeout_s));
     } else {
-      fail_room(room, "no decode engine registered bootstrap_room " + std::to_string(room) +
-                          " within " + seconds_text(config_.timeout_s) + " s");
+      fail_room(room, engine::kv_no_decode_text(room, config_.timeout_s));
     }
   }
   // The decode engine's await_room gave up, the prefill engine's fault: its fetch fails now, and

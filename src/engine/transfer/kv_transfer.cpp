@@ -603,6 +603,16 @@ std::string kv_room_expired_text(uint64_t room, double timeout_s) {
          seconds_text(timeout_s) + " s for this prefill request and was failed";
 }
 
+std::string kv_no_prefill_text(uint64_t room, double timeout_s) {
+  return "no prefill request with bootstrap_room " + std::to_string(room) + " arrived within " +
+         seconds_text(timeout_s) + " s";
+}
+
+std::string kv_no_decode_text(uint64_t room, double timeout_s) {
+  return "no decode engine registered bootstrap_room " + std::to_string(room) + " within " +
+         seconds_text(timeout_s) + " s";
+}
+
 int64_t KvTransferAgent::held_blocks() const {
   std::lock_guard lock(mutex_);
   return held_blocks_locked();
@@ -788,10 +798,7 @@ void KvTransferAgent::reap_loop() {
       if (!r->registered && now >= r->deadline &&
           (!r->has_prefill || r->layers_ready == layout_.layers))
         expired.push_back(id);
-    for (auto id : expired)
-      finish_room(id, false,
-                  "no decode engine registered bootstrap_room " + std::to_string(id) + " within " +
-                      seconds_text(config_.timeout_s) + " s");
+    for (auto id : expired) finish_room(id, false, kv_no_decode_text(id, config_.timeout_s));
   }
   // Shutting down: everything held goes back to the engine, except what a connection is still
   // reading (its blocks must stay until it stops: serve_pull releases them then).
@@ -1198,8 +1205,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       failure = r->has_prefill
                     ? "the prefill of bootstrap_room " + std::to_string(room) +
                           " did not complete within " + seconds_text(config_.timeout_s) + " s"
-                    : "no prefill request with bootstrap_room " + std::to_string(room) +
-                          " arrived within " + seconds_text(config_.timeout_s) + " s";
+                    : kv_no_prefill_text(room, config_.timeout_s);
       break;
     }
     if (const auto now = this->now(); now >= next_peer_check) {

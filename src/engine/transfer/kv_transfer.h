@@ -217,6 +217,11 @@ uint64_t kv_prompt_hash(std::span<const int32_t> prompt);
 // decode leg, timed out (`timeout_s`, the prefill engine's) and that leg was failed. The live
 // agent and the simulator (sim/virtual_kv_links.cpp) both say it.
 std::string kv_room_expired_text(uint64_t room, double timeout_s);
+// What a decode leg is failed with when no prefill leg came for `room` within `timeout_s`, and
+// what a prefill leg is failed with when no decode engine registered `room` in time; the live
+// agent and the simulator both say them.
+std::string kv_no_prefill_text(uint64_t room, double timeout_s);
+std::string kv_no_decode_text(uint64_t room, double timeout_s);
 
 // The KvTransfers of real engines: bytes over a KvTransport, on threads of its own.
 class KvTransferAgent final : public KvTransfers {
