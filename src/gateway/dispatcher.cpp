@@ -789,12 +789,14 @@ void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, i
                             std::string body, std::string message, Blame blame,
                             std::string retry_after) {
   // Parallel mode: the client's error or the engine's refusal decides the attempt (the first leg
-  // to tell it), marked before either report is handled.
+  // to tell it, but the client's error over a refusal), marked before either report is handled.
   if (topo_.mode == PdMode::kParallel && ((status >= 400 && status < 500) || status == 503)) {
+    const bool client_error = is_client_error(status);
     std::lock_guard lock(r->mutex);
-    if (r->decided_attempt != attempt) {
+    if (r->decided_attempt != attempt || (client_error && !r->decided_by_client_error)) {
       r->decided_attempt = attempt;
       r->decided_by = endpoint_id;
+      r->decided_by_client_error = client_error;
     }
   }
   exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
@@ -851,8 +853,8 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint
 // on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
 // retried alike, and once retries are spent answered with its own status (a 503 too whatever its
-// body, with the engine's Retry-After). Parallel mode: one leg's client error or refusal decides
-// its attempt, whatever its other leg did (Request::decided_attempt). An engine's error
+// body, with the engine's Retry-After). Parallel mode: one leg's client error, else its refusal,
+// decides its attempt, whatever its other leg did (Request::decided_attempt). An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request that never reached its engine goes to
 // another decode engine with the same kv_transfer_params (its KV is known to be held still); one
@@ -875,9 +877,9 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     std::lock_guard lock(r->mutex);
     if (r->client != ClientState::kNothingSent) return;
     // Parallel mode: the other leg of this attempt ended with the client's error or a refusal,
-    // whose report follows this one (leg_failed) and decides: whichever leg told first, the client
-    // gets its error with no retry, or the refusal is retried as one (its backoff, its
-    // Retry-After).
+    // whose report follows this one (leg_failed) and decides, whichever leg told first: the client
+    // gets its error with no retry (over its pair's refusal too), or the refusal is retried as
+    // one (its backoff, its Retry-After).
     if (r->decided_attempt == attempt && r->decided_by != endpoint_id) return;
     calls = mark_legs_cancelled(*r);
   }

@@ -213,11 +213,14 @@ struct Request {
   std::vector<double> itl;        // inter-token gaps, seconds
   // Parallel mode: the attempt one of whose legs ended with the client's error or the engine's
   // refusal (a 4xx, or a 503: Dispatcher::leg_failed), or -1, and that leg's engine (the first to
-  // tell). That answer decides the attempt: its other leg's failure (likely its consequence: a
-  // decode engine waits for a room its prefill engine refused to fill) is neither reported nor
-  // counted against its engine, whichever leg told first.
+  // tell, but a client error over a refusal: retrying a request the other engine found invalid
+  // only brings the client a 503 until the refusing engine has room). That answer decides the
+  // attempt: its other leg's failure (likely its consequence: a decode engine waits for a room
+  // its prefill engine refused to fill) is neither reported nor counted against its engine,
+  // whichever leg told first.
   int decided_attempt = -1;
   int decided_by = -1;
+  bool decided_by_client_error = false;
 
   bool ended() {
     std::lock_guard lock(mutex);

@@ -1418,9 +1418,47 @@ TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst)
       EXPECT_EQ(client->body, full);
       EXPECT_EQ(client->retry_after, stream ? "" : "3");
       EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+      EXPECT_EQ(
+          c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"prefill\",endpoint=\"p1\"}"),
+          2);
       expect_no_engine_blamed(c);
       EXPECT_EQ(c.dispatcher.active(), 0u);
     }
+}
+
+// Parallel mode: a prefill engine refuses the request for now (a 503: its queue is full) and the
+// decode engine finds it invalid (a 400) in the same attempt. Whichever tells first, the client's
+// error decides: the client gets its 400 at once and no engine is counted failed. The refusal told
+// first was retried, and once retries were spent the client got a 503 and, coming back, another
+// for as long as the prefill engine had no room: its 400 only once it had.
+TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsRefusalWhicheverTellsFirst) {
+  const std::string full =
+      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
+  const std::string invalid =
+      R"({"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}})";
+  for (const bool refusal_first : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "refusal first " << refusal_first);
+    Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("a"), engine("b")});
+    t.health.failures_to_eject = 1;
+    t.prefill_retries = 1;
+    Cluster c(t);
+    auto client = c.send(false);
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    ASSERT_EQ(host_of(*legs[0]), "p1");
+    if (refusal_first) FakeEngines::refuse(*legs[0], 503, full, "3");
+    FakeEngines::answer(*legs[1], 400, invalid);
+    if (!refusal_first) FakeEngines::refuse(*legs[0], 503, full, "3");
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 400);
+    EXPECT_EQ(client->body, invalid);
+    EXPECT_EQ(client->retry_after, "");
+    EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+    EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
+    expect_no_engine_blamed(c);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
 }
 
 // n > 1: a choice whose stream fails after the client's stream began ends the merged stream with
