@@ -207,9 +207,10 @@ std::chrono::milliseconds engine_stop_grace(std::chrono::milliseconds engine_dra
 }
 
 void stop_engines(std::span<const std::unique_ptr<EngineChild>> engines,
-                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who) {
+                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who,
+                  std::chrono::milliseconds cut_grace) {
   for (const auto& e : engines) e->terminate();  // all at once, then wait for each
-  const auto deadline = EngineChild::Clock::now() + grace;
+  auto deadline = EngineChild::Clock::now() + grace;
   bool cut = false;
   for (const auto& e : engines) {
     // Polled in short steps: an engine that ended is seen soon, and so is another stop signal.
@@ -219,6 +220,8 @@ void stop_engines(std::span<const std::unique_ptr<EngineChild>> engines,
         std::fflush(stderr);
         for (const auto& other : engines) other->terminate();
         cut = true;
+        // The drain the long grace waited for is over: an engine that does not end now is hung.
+        deadline = std::min(deadline, EngineChild::Clock::now() + cut_grace);
       }
     }
     e->wait_until(deadline);

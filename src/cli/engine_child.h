@@ -114,8 +114,10 @@ std::chrono::milliseconds engine_stop_grace(std::chrono::milliseconds engine_dra
 // Stops `engines` together: each gets terminate() at once, then they have `grace` to end before
 // those left are killed. A stop signal meanwhile (a second Ctrl-C) sends each its second SIGTERM,
 // an engine's order to cut its drain now, as a second signal ends the gateways' drain; said on
-// standard error as `who`.
+// standard error as `who`. Those left then have at most `cut_grace` (an engine's grace without a
+// drain) before they are killed, however long `grace` was.
 void stop_engines(std::span<const std::unique_ptr<EngineChild>> engines,
-                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who);
+                  std::chrono::milliseconds grace, const StopSignals& signals, const char* who,
+                  std::chrono::milliseconds cut_grace = ChildProcess::kStopGrace);
 
 }  // namespace tandem::cli

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -220,6 +221,45 @@ TEST(EngineChild, AnotherStopSignalWhileTheEnginesDrainSendsEachItsSecondSigterm
   stop_engines(engines, 2min, signals, "test");
   second_ctrl_c.join();
   EXPECT_EQ(signals_seen(), "TERM\nTERM\nEND\n");
+  std::filesystem::remove(seen);
+}
+
+// Once a second Ctrl-C cuts the drain, the long grace a drain was given
+// (--engine-arg=--shutdown-timeout 1800) no longer holds: an engine that ignores even its second
+// SIGTERM is killed after the short grace, not half an hour later.
+TEST(EngineChild, AnEngineHungAfterTheCutIsKilledAtTheShortGraceNotTheDrains) {
+  const StopSignals signals;
+  const std::filesystem::path seen = test::temp_path("engine-stop-hung");
+  const auto args = [f = seen.string()](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "trap 'echo TERM >> \"$1\"' TERM; "
+        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role both'; while :; do sleep 0.01 & wait $!; done",
+        "sh", f};
+  };
+  const auto signals_seen = [&] {
+    std::ifstream in(seen);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::vector<std::unique_ptr<EngineChild>> engines;
+  engines.push_back(std::make_unique<EngineChild>(options(5min), args, signals));
+  ASSERT_EQ(engines[0]->state(), EngineChild::State::kRunning);
+  const pid_t engine = engines[0]->pid();
+  const pthread_t waiting = ::pthread_self();
+  std::atomic<bool> stopped = false;
+  bool killed_after_the_cut = false;
+  std::thread second_ctrl_c([&] {
+    if (!eventually([&] { return signals_seen() == "TERM\n"; })) return;
+    ::pthread_kill(waiting, SIGINT);
+    killed_after_the_cut = eventually([&] { return stopped.load(); });
+    if (!killed_after_the_cut) ::kill(engine, SIGKILL);  // so that the test fails, not hangs
+  });
+  stop_engines(engines, engine_stop_grace(1800s), signals, "test", 0ms);
+  stopped = true;
+  second_ctrl_c.join();
+  EXPECT_TRUE(killed_after_the_cut);  // this engine never ends by itself
+  EXPECT_TRUE(engines[0]->ended());
   std::filesystem::remove(seen);
 }
 
