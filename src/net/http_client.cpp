@@ -101,12 +101,16 @@ class HttpClient::Impl {
 
   // Waits until the socket is ready for `events` or the deadline passes (then fails `step`).
   void wait(short events, Clock::time_point deadline, const char* step) {
+    if (!ready(events, deadline, step)) fail(step, "timed out");
+  }
+  // The same, false when the deadline passes.
+  bool ready(short events, Clock::time_point deadline, const char* step) {
     for (;;) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) fail(step, "timed out");
+      if (left.count() <= 0) return false;
       pollfd p{fd_, events, 0};
       int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
-      if (n > 0) return;
+      if (n > 0) return true;
       if (n < 0 && errno != EINTR) fail(step, std::strerror(errno));
     }
   }
@@ -123,10 +127,13 @@ class HttpClient::Impl {
         last = errno;
         continue;
       }
-      wait(POLLOUT, deadline, "cannot connect");
-      int so_error = 0;
-      socklen_t length = sizeof so_error;
-      ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &so_error, &length);
+      // A running server's kernel completes the handshake however busy the server is: no answer
+      // to it is a host that drops the connection (firewalled, down), as good as none there.
+      int so_error = ETIMEDOUT;
+      if (ready(POLLOUT, deadline, "cannot connect")) {
+        socklen_t length = sizeof so_error;
+        ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &so_error, &length);
+      }
       if (so_error == 0) return;
       last = so_error;
       ::close(fd_);

@@ -36,8 +36,9 @@ struct HttpClientOptions {
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
-// No connection was made: the host does not resolve, or every address refused (or was
-// unreachable). Nothing listens there; unlike a timeout, which a busy server may cause.
+// No connection was made: the host does not resolve, or every address refused, was unreachable
+// or never completed the handshake. Nothing listens there; unlike a timeout once connected,
+// which a busy server may cause.
 class HttpConnectError : public Error {
  public:
   using Error::Error;

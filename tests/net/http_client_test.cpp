@@ -2,6 +2,10 @@
 // fails, and how it ends bodies that a reset cuts. Every server binds port 0 on 127.0.0.1.
 #include "net/http_client.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -157,7 +161,8 @@ TEST(HttpClient, ABodyUntilCloseCutByAResetIsAnError) {
 }
 
 // bench stops when nothing listens at --base-url but only warns when a server is slow to answer:
-// the client tells a failed connection (refused, a host that does not resolve) from a timeout.
+// the client tells a failed connection (refused, a host that does not resolve) from a timeout of
+// a server that took the connection.
 TEST(HttpClient, AFailedConnectionIsAConnectErrorAndATimeoutIsNot) {
   // Port 1 refuses at once.
   EXPECT_THROW(http_request("127.0.0.1", 1, "GET", "/v1/models"), HttpConnectError);
@@ -173,6 +178,33 @@ TEST(HttpClient, AFailedConnectionIsAConnectErrorAndATimeoutIsNot) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
   }
+  ::close(listener);
+}
+
+// A host that never completes the handshake (SYN dropped: firewalled, down) is no server either:
+// bench stops rather than run the whole benchmark against it. Linux drops a SYN to a listener
+// whose accept queue is full, as such a host does.
+TEST(HttpClient, AConnectionNeverCompletedIsAConnectError) {
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof at;
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);  // room for one connection, never accepted
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length), 0);
+  const int first = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_EQ(::connect(first, reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  try {
+    http_request("127.0.0.1", ntohs(at.sin_port), "GET", "/v1/models", {}, {},
+                 std::chrono::milliseconds(50));
+    ADD_FAILURE() << "answered";
+  } catch (const HttpConnectError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot connect"), std::string::npos) << e.what();
+  } catch (const Error& e) {
+    ADD_FAILURE() << "a host that drops the connection taken for a slow server: " << e.what();
+  }
+  ::close(first);
   ::close(listener);
 }
 
