@@ -99,10 +99,10 @@ std::optional<std::string> first_model_id(std::string_view body) {
 
 std::optional<int64_t> max_model_len_of(std::string_view body) {
   const std::optional<json> data = models_of(body);
-  return data ? max_model_len_of(*data) : std::nullopt;
+  return data ? max_model_len_of_data(*data) : std::nullopt;
 }
 
-std::optional<int64_t> max_model_len_of(const json& data) {
+std::optional<int64_t> max_model_len_of_data(const json& data) {
   std::optional<int64_t> least;
   for (const json& m : data) {
     if (!m.is_object()) continue;

@@ -37,7 +37,7 @@ net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model)
 // when the body is not a model list or no model says one (an older or foreign server).
 std::optional<int64_t> max_model_len_of(std::string_view model_list_body);
 // The same of a list's "data" array, parsed already.
-std::optional<int64_t> max_model_len_of(const nlohmann::json& data);
+std::optional<int64_t> max_model_len_of_data(const nlohmann::json& data);
 
 // The id of a list body's first model (the one vLLM's bench sends when told none); nullopt when
 // the body is not a model list or lists none.

@@ -77,7 +77,7 @@ ModelListSummary read_model_list(std::string_view body, const std::string& model
     if (shown++ < 4) list.listed += (list.listed.empty() ? "'" : ", '") + utf8::clip(*id) + "'";
   }
   list.more = shown > 4;
-  list.max_model_len = api::max_model_len_of(*data).value_or(0);
+  list.max_model_len = api::max_model_len_of_data(*data).value_or(0);
   return list;
 }
 

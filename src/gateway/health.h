@@ -31,7 +31,7 @@ struct ModelListSummary {
   bool more = false;         // it lists more than those
   // An entry says owned_by "tandem" or "vllm": servers that refuse a model they do not list.
   bool owned_by_refusing_server = false;
-  int64_t max_model_len = 0;  // the least its entries say (api::max_model_len_of); 0: none says
+  int64_t max_model_len = 0;  // the least its entries say (max_model_len_of_data); 0: none
 };
 // Reads `body`, a 200 answer to GET /v1/models, for `model` (the served_model_name; empty: the
 // gateway names none, and only the longest sequence is read).
