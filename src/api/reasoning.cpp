@@ -40,15 +40,35 @@ std::string_view reasoning_format_name(ReasoningFormat format) {
   return "none";
 }
 
-bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at) {
+namespace {
+
+// The marker that last decided the reasoning's state in the prompt: a continued final message's
+// own last <think> or </think>, else the one the prompt before it ends with (and white space).
+enum class LastMarker { kNone, kOpen, kClose };
+
+LastMarker last_marker(std::string_view prompt, size_t continued_at) {
   const std::string_view continued =
       continued_at < prompt.size() ? prompt.substr(continued_at) : std::string_view();
   const size_t open = continued.rfind(kOpen), close = continued.rfind(kClose);
-  if (close != std::string_view::npos) return open == std::string_view::npos || close > open;
-  if (open != std::string_view::npos) return false;
+  if (close != std::string_view::npos)
+    return open == std::string_view::npos || close > open ? LastMarker::kClose : LastMarker::kOpen;
+  if (open != std::string_view::npos) return LastMarker::kOpen;
   size_t e = std::min(continued_at, prompt.size());
   while (e > 0 && is_space(prompt[e - 1])) --e;
-  return prompt.substr(0, e).ends_with(kClose);
+  const std::string_view before = prompt.substr(0, e);
+  if (before.ends_with(kClose)) return LastMarker::kClose;
+  if (before.ends_with(kOpen)) return LastMarker::kOpen;
+  return LastMarker::kNone;
+}
+
+}  // namespace
+
+bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at) {
+  return last_marker(prompt, continued_at) == LastMarker::kClose;
+}
+
+bool prompt_opens_reasoning(std::string_view prompt, size_t continued_at) {
+  return last_marker(prompt, continued_at) == LastMarker::kOpen;
 }
 
 ReasoningParser::ReasoningParser(bool all_content)

@@ -26,6 +26,9 @@ std::string_view reasoning_format_name(ReasoningFormat format);
 // the prompt; its last <think> or </think> decides (as vLLM's parsers scan the prompt's ids from
 // the end), and without either the prompt before it decides by the rule above.
 bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at = std::string_view::npos);
+// Whether the prompt leaves the answer inside an open think block: by the same rule, its last
+// marker is <think> (templates that always open one, as QwQ's and Qwen3-Thinking-2507's).
+bool prompt_opens_reasoning(std::string_view prompt, size_t continued_at = std::string_view::npos);
 
 // What became certain of the answer after one update.
 struct ReasoningDelta {

@@ -868,12 +868,15 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (r.reasoning != ReasoningFormat::kNone) {
     prompt_closed = prompt_ends_reasoning(rendered, continued_at);
     // The split of the answer also follows vLLM's qwen3 parser, which reads an answer with
-    // enable_thinking false as content whatever the template wrote (one without think markers,
-    // as Qwen3-Instruct-2507's, never closes the reasoning in the prompt).
+    // enable_thinking false as content when no </think> comes (a template without think markers,
+    // as Qwen3-Instruct-2507's, never closes the reasoning in the prompt), but still splits at a
+    // </think> the answer writes: so a prompt that opens a think block anyway (QwQ's,
+    // Qwen3-Thinking-2507's) keeps the split.
     const json* kw = field(body, "chat_template_kwargs");
     const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
                               kw->value("enable_thinking", json(true)) == json(false);
-    r.reasoning_all_content = prompt_closed || thinking_off;
+    r.reasoning_all_content =
+        prompt_closed || (thinking_off && !prompt_opens_reasoning(rendered, continued_at));
   }
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.

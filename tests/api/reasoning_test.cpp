@@ -226,8 +226,13 @@ TEST(Reasoning, AThinkBlockTheTemplateOpensAnywayStaysOpenWithThinkingSwitchedOf
                      {"chat_template_kwargs", {{"enable_thinking", false}}},
                      {"response_format", {{"type", "json_object"}}}};
   const ApiRequest r = parse_chat(body, qwen3(), &always_thinks, limits);
-  EXPECT_TRUE(r.reasoning_all_content);
+  EXPECT_FALSE(r.reasoning_all_content);
   EXPECT_EQ(r.sampling.reasoning_end_token, qwen3().token_to_id("</think>"));
+  // vLLM's qwen3 parser splits at the </think> the answer writes, thinking off or not: the JSON
+  // the grammar held is the content, and the text before it the reasoning.
+  const ReasoningDelta answer = parse_every_way("r</think>{\"a\": 1}", r.reasoning_all_content);
+  EXPECT_EQ(answer.reasoning, "r");
+  EXPECT_EQ(answer.content, "{\"a\": 1}");
 }
 
 // A template without think markers (Qwen3-Instruct-2507's, a --chat-template override) never
