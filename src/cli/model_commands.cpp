@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "cli/bench_options.h"
 #include "model/make_model.h"
@@ -103,6 +104,8 @@ void quantize(const QuantizeArgs& a) {
 // A writer of DIR.partial-ID holds an flock on this file in it for the whole write; a sweeper
 // that can take the lock knows the writer is gone. Not the PID: a cache shared between PID
 // namespaces or hosts (an NFS home, a volume in several containers) names another's process.
+// Over NFS this holds only where locks reach the server (NFSv4, NFSv3 with its lock service);
+// mounted with nolock or local_lock=flock, each host sees only its own locks.
 constexpr const char* kWriterLock = ".tandem-writer.lock";
 // A partial folder without the lock file is an older tandem's (this one's writer locks before the
 // folder takes its name): removed once it has not been written for this long, far past a write.
@@ -127,7 +130,7 @@ void remove_stale_partial_folders(const fs::path& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir.parent_path(), ec)) {
     if (entry.path().filename().string().rfind(prefix, 0) != 0) continue;
-    const FileDescriptor lock(
+    FileDescriptor lock(
         ::open((entry.path() / kWriterLock).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
     if (lock.fd < 0) {
       std::error_code old;
@@ -139,6 +142,8 @@ void remove_stale_partial_folders(const fs::path& dir) {
       continue;
     }
     if (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) continue;  // its writer is at work
+    // Closed first: an NFS client keeps an open file's name (as .nfsXXXX), and the folder with it.
+    ::close(std::exchange(lock.fd, -1));
     fs::remove_all(entry.path(), ec);
   }
 }
@@ -176,7 +181,9 @@ fs::path preset_model_folder(const std::string& preset) {
                 " model (" + made.message() + "); set XDG_CACHE_HOME to a writable folder");
   const FileDescriptor lock(
       ::open((locking / kWriterLock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
-  if (lock.fd < 0 || ::flock(lock.fd, LOCK_EX) != 0) {
+  // Not blocking: nobody else can hold this new file's lock, and a lock server that stopped
+  // answering must not hang the start.
+  if (lock.fd < 0 || ::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     fs::remove_all(locking, made);
     throw Error("cannot lock " + (locking / kWriterLock).string() + ": " + std::strerror(e));
