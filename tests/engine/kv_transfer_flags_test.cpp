@@ -19,7 +19,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 constexpr char kNoModel[] = "engine --model /nonexistent/kv-transfer-flags-model ";
-constexpr char kModelsError[] = "no tokenizer.json in /nonexistent/kv-transfer-flags-model";
+constexpr char kModelsError[] =
+    "--model: Directory does not exist: /nonexistent/kv-transfer-flags-model";
 
 // `--kv-transfer-timeout 0.0004` became 0 ms: every frame's I/O timed out at once, so every
 // transfer failed, with nothing naming the flag. Each timeout refuses what would round to 0.
