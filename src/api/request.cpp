@@ -861,12 +861,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (continue_final_message)
     rendered = continue_final(std::move(rendered), final_message, continued_at);
   r.reasoning = limits.reasoning;
-  // Whether the prompt closed the reasoning already (it ends with </think>, or a continued final
-  // message closed it): it alone decides when a constrained answer's grammar holds (below), as
-  // vLLM's structured outputs decide from the prompt's ids.
-  bool prompt_closed = false;
+  // Whether the answer is read as content from its start: the prompt closed the reasoning already
+  // (it ends with </think>, or a continued final message closed it), as vLLM's structured outputs
+  // decide from the prompt's ids, or qwen3's switch below.
   if (r.reasoning != ReasoningFormat::kNone) {
-    prompt_closed = prompt_ends_reasoning(rendered, continued_at);
+    const bool prompt_closed = prompt_ends_reasoning(rendered, continued_at);
     // The split of the answer also follows vLLM's qwen3 parser, which reads an answer with
     // enable_thinking false as content when no </think> comes (a template without think markers,
     // as Qwen3-Instruct-2507's, never closes the reasoning in the prompt), but still splits at a
@@ -922,10 +921,12 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // first: the grammar holds after the </think> token, as vLLM's structured outputs with a
   // reasoning parser apply it once is_reasoning_end sees that token. With the reasoning closed by
   // the prompt, or no </think> token to wait for, the grammar holds from the first token and the
-  // answer is all content. (qwen3 with enable_thinking false and a prompt left open: the grammar
-  // waits as vLLM's does, and the answer is read as content as vLLM's parser reads it.)
+  // answer is all content. The grammar waits exactly when the answer is read as reasoning first:
+  // qwen3 with enable_thinking false and a prompt without think markers is read as content, so it
+  // is constrained from its first token (vLLM's grammar waits there for a </think> a model that
+  // does not think never writes, and leaves the whole answer unconstrained).
   if (r.sampling.structured_output) {
-    if (r.reasoning != ReasoningFormat::kNone && !prompt_closed)
+    if (r.reasoning != ReasoningFormat::kNone && !r.reasoning_all_content)
       r.sampling.reasoning_end_token = tokenizer.token_to_id(kReasoningEnd);
     if (!r.sampling.reasoning_end_token) r.reasoning_all_content = true;
   }

@@ -253,8 +253,16 @@ TEST(Reasoning, AnAnswerWithThinkingSwitchedOffIsContentWhenTheTemplateWritesNoT
   EXPECT_FALSE(prompt_ends_reasoning(qwen3().decode(off.prompts[0], false)));
   EXPECT_TRUE(off.reasoning_all_content);
   EXPECT_EQ(parse_every_way("Hello!", off.reasoning_all_content).content, "Hello!");
+  // Read as content, a constrained answer is constrained from its first token: waiting for a
+  // </think> that a model told not to think never writes would leave it unconstrained.
+  body["response_format"] = {{"type", "json_object"}};
+  const ApiRequest constrained = parse_chat(body, qwen3(), &no_markers, limits);
+  EXPECT_TRUE(constrained.reasoning_all_content);
+  EXPECT_FALSE(constrained.sampling.reasoning_end_token);
   body["chat_template_kwargs"] = {{"enable_thinking", true}};
-  EXPECT_FALSE(parse_chat(body, qwen3(), &no_markers, limits).reasoning_all_content);
+  const ApiRequest on = parse_chat(body, qwen3(), &no_markers, limits);
+  EXPECT_FALSE(on.reasoning_all_content);
+  EXPECT_EQ(on.sampling.reasoning_end_token, qwen3().token_to_id("</think>"));
 }
 
 struct Rendered {
