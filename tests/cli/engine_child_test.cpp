@@ -189,25 +189,36 @@ TEST(EngineStopGrace, IsTheEnginesDrainAndAMarginWhenThatIsLongerThanTheDefault)
   EXPECT_GT(engine_stop_grace(ChildProcess::kStopGrace), ChildProcess::kStopGrace);
 }
 
+// A fake engine for the stop tests: says what serve waits for, then runs `trap` and `loop` in
+// sh, with "$1" the file it writes the signals it saw to (read back by file_text).
+auto fake_engine(const std::filesystem::path& seen, const std::string& trap,
+                 const std::string& loop) {
+  return [f = seen.string(), trap, loop](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        trap +
+            "; echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+            "echo 'tandem engine: role both'; " +
+            loop,
+        "sh", f};
+  };
+}
+
+std::string file_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 // A second Ctrl-C while serve waits for its engines to drain cuts their drain, as it cuts the
 // gateways': each engine gets its second SIGTERM and ends now, not at the deadline's SIGKILL.
 // This engine drains until a second SIGTERM comes, then says it ended by itself.
 TEST(EngineChild, AnotherStopSignalWhileTheEnginesDrainSendsEachItsSecondSigterm) {
   const StopSignals signals;
   const std::filesystem::path seen = test::temp_path("engine-stop-signals");
-  const auto args = [f = seen.string()](const EnginePorts&) {
-    return std::vector<std::string>{
-        "sh", "-c",
-        "n=0; trap 'n=$((n+1)); echo TERM >> \"$1\"' TERM; "
-        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
-        "echo 'tandem engine: role both'; while [ $n -lt 2 ]; do sleep 0.01 & wait $!; done; "
-        "echo END >> \"$1\"",
-        "sh", f};
-  };
-  const auto signals_seen = [&] {
-    std::ifstream in(seen);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
+  const auto args =
+      fake_engine(seen, "n=0; trap 'n=$((n+1)); echo TERM >> \"$1\"' TERM",
+                  "while [ $n -lt 2 ]; do sleep 0.01 & wait $!; done; echo END >> \"$1\"");
+  const auto signals_seen = [&] { return file_text(seen); };
   std::vector<std::unique_ptr<EngineChild>> engines;
   engines.push_back(std::make_unique<EngineChild>(options(5min), args, signals));
   ASSERT_EQ(engines[0]->state(), EngineChild::State::kRunning);
@@ -230,18 +241,9 @@ TEST(EngineChild, AnotherStopSignalWhileTheEnginesDrainSendsEachItsSecondSigterm
 TEST(EngineChild, AnEngineHungAfterTheCutIsKilledAtTheShortGraceNotTheDrains) {
   const StopSignals signals;
   const std::filesystem::path seen = test::temp_path("engine-stop-hung");
-  const auto args = [f = seen.string()](const EnginePorts&) {
-    return std::vector<std::string>{
-        "sh", "-c",
-        "trap 'echo TERM >> \"$1\"' TERM; "
-        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
-        "echo 'tandem engine: role both'; while :; do sleep 0.01 & wait $!; done",
-        "sh", f};
-  };
-  const auto signals_seen = [&] {
-    std::ifstream in(seen);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
+  const auto args = fake_engine(seen, "trap 'echo TERM >> \"$1\"' TERM",
+                                "while :; do sleep 0.01 & wait $!; done");
+  const auto signals_seen = [&] { return file_text(seen); };
   std::vector<std::unique_ptr<EngineChild>> engines;
   engines.push_back(std::make_unique<EngineChild>(options(5min), args, signals));
   ASSERT_EQ(engines[0]->state(), EngineChild::State::kRunning);
