@@ -422,6 +422,13 @@ struct Constrained {
         vocabulary()));
     return s;
   }
+  // Logits that favour `best`, then `second` (if any), over every other token.
+  static std::vector<float> favouring(int32_t best, int32_t second = -1) {
+    std::vector<float> l(kVocab, 0.0f);
+    l[best] = 30;
+    if (second >= 0) l[second] = 20;
+    return l;
+  }
 };
 
 // allowed_token_ids and bad_words bind a structured answer too: when with the grammar they leave
@@ -485,12 +492,6 @@ TEST(Sampler, ACompleteStructuredAnswerEndsBeforeMinTokensWithTheModelsLogits) {
 TEST(Sampler, AGrammarHoldsOnlyAfterTheReasoningEndToken) {
   using K = structured::OutputSpec::Kind;
   using C = Constrained;
-  const auto favouring = [](int32_t best, int32_t second = -1) {
-    std::vector<float> l(C::kVocab, 0.0f);
-    l[best] = 30;
-    if (second >= 0) l[second] = 20;
-    return l;
-  };
   for (const bool drafts : {false, true}) {
     for (const double temperature : {0.0, 1.0}) {
       SCOPED_TRACE(std::string(drafts ? "verify" : "sample") + ", temperature " +
@@ -506,16 +507,16 @@ TEST(Sampler, AGrammarHoldsOnlyAfterTheReasoningEndToken) {
         output.push_back(t);
         return t;
       };
-      EXPECT_EQ(next(favouring(C::kA, C::kOpen), C::kA), C::kA);
-      EXPECT_EQ(next(favouring(C::kThinkEnd, C::kOpen), C::kThinkEnd), C::kThinkEnd);
-      EXPECT_EQ(next(favouring(C::kA, C::kOpen), C::kA), C::kOpen);
-      EXPECT_EQ(next(favouring(C::kA, C::kClose), C::kA), C::kClose);
-      EXPECT_EQ(next(favouring(C::kA, C::kEos), C::kA), C::kEos);
+      EXPECT_EQ(next(C::favouring(C::kA, C::kOpen), C::kA), C::kA);
+      EXPECT_EQ(next(C::favouring(C::kThinkEnd, C::kOpen), C::kThinkEnd), C::kThinkEnd);
+      EXPECT_EQ(next(C::favouring(C::kA, C::kOpen), C::kA), C::kOpen);
+      EXPECT_EQ(next(C::favouring(C::kA, C::kClose), C::kA), C::kClose);
+      EXPECT_EQ(next(C::favouring(C::kA, C::kEos), C::kA), C::kEos);
       EXPECT_TRUE(s.failure().empty()) << s.failure();
 
       p.reasoning_end_token.reset();
       Sampler plain = C::make(p, K::kJsonObject, "");
-      std::vector<float> l = favouring(C::kA, C::kOpen);
+      std::vector<float> l = C::favouring(C::kA, C::kOpen);
       EXPECT_EQ(drafts ? plain.verify(l, {}, {}, C::kA, {}) : plain.sample(l, {}, {}), C::kOpen);
     }
   }
@@ -528,19 +529,13 @@ TEST(Sampler, AGrammarHoldsOnlyAfterTheReasoningEndToken) {
 TEST(Sampler, AnUnseededDraftIsVerifiedByRejectionWithTheGrammarOnlyAfterTheReasoningEnd) {
   using K = structured::OutputSpec::Kind;
   using C = Constrained;
-  const auto favouring = [](int32_t best, int32_t second = -1) {
-    std::vector<float> l(C::kVocab, 0.0f);
-    l[best] = 30;
-    if (second >= 0) l[second] = 20;
-    return l;
-  };
   SamplingParams p;
   p.temperature = 1.0;
   p.reasoning_end_token = C::kThinkEnd;
   Sampler s = C::make(p, K::kJsonObject, "");
   std::vector<int32_t> output;
   const auto next = [&](int32_t drafted, std::vector<float> target) {
-    std::vector<float> d = favouring(drafted), q;
+    std::vector<float> d = C::favouring(drafted), q;
     const int32_t draft = s.propose(d, {}, output, q);
     EXPECT_EQ(draft, drafted);
     EXPECT_EQ(q.size(), size_t(C::kVocab)) << "an unseeded draft hands over its distribution";
@@ -548,11 +543,11 @@ TEST(Sampler, AnUnseededDraftIsVerifiedByRejectionWithTheGrammarOnlyAfterTheReas
     output.push_back(t);
     return t;
   };
-  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kOpen)), C::kA);
-  EXPECT_EQ(next(C::kThinkEnd, favouring(C::kThinkEnd, C::kOpen)), C::kThinkEnd);
-  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kOpen)), C::kOpen);
-  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kClose)), C::kClose);
-  EXPECT_EQ(next(C::kA, favouring(C::kA, C::kEos)), C::kEos);
+  EXPECT_EQ(next(C::kA, C::favouring(C::kA, C::kOpen)), C::kA);
+  EXPECT_EQ(next(C::kThinkEnd, C::favouring(C::kThinkEnd, C::kOpen)), C::kThinkEnd);
+  EXPECT_EQ(next(C::kA, C::favouring(C::kA, C::kOpen)), C::kOpen);
+  EXPECT_EQ(next(C::kA, C::favouring(C::kA, C::kClose)), C::kClose);
+  EXPECT_EQ(next(C::kA, C::favouring(C::kA, C::kEos)), C::kEos);
   EXPECT_TRUE(s.failure().empty()) << s.failure();
 }
 
