@@ -208,19 +208,24 @@ TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromIts
   }
 }
 
-// enable_thinking false with a template that ignores it: the prompt alone decides when a
-// constrained answer's grammar holds (vLLM's structured outputs read the prompt's ids), and the
-// answer is read as content as vLLM's qwen3 parser reads any answer with thinking switched off.
-// A template that always opens the think block (Qwen3-Thinking-2507's, QwQ's) leaves the
-// reasoning open, so the grammar waits for </think>.
+// A ChatML template whose generation prompt ends with `after_assistant` after the assistant's
+// header.
+text::ChatTemplate chatml(const std::string& after_assistant) {
+  return text::ChatTemplate(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n" +
+      after_assistant + "{% endif %}");
+}
+
+// enable_thinking false with a template that opens the think block anyway (Qwen3-Thinking-2507's,
+// QwQ's): the reasoning is open, so the grammar waits for </think> and the answer is split there,
+// as vLLM's qwen3 parser splits an answer that writes </think>, thinking off or not.
 TEST(Reasoning, AThinkBlockTheTemplateOpensAnywayStaysOpenWithThinkingSwitchedOff) {
   const ModelLimits limits{.model_name = "m",
                            .max_model_len = 4096,
                            .vocab_size = 151936,
                            .reasoning = ReasoningFormat::kQwen3};
-  const text::ChatTemplate always_thinks(
-      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-      "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}");
+  const text::ChatTemplate always_thinks = chatml("<think>\n");
   const json body = {{"model", "m"},
                      {"messages", {{{"role", "user"}, {"content", "hi"}}}},
                      {"chat_template_kwargs", {{"enable_thinking", false}}},
@@ -243,9 +248,7 @@ TEST(Reasoning, AnAnswerWithThinkingSwitchedOffIsContentWhenTheTemplateWritesNoT
                            .max_model_len = 4096,
                            .vocab_size = 151936,
                            .reasoning = ReasoningFormat::kQwen3};
-  const text::ChatTemplate no_markers(
-      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+  const text::ChatTemplate no_markers = chatml("");
   json body = {{"model", "m"},
                {"messages", {{{"role", "user"}, {"content", "hi"}}}},
                {"chat_template_kwargs", {{"enable_thinking", false}}}};
