@@ -3,7 +3,7 @@
 // GEMMs from 4 or 16 tokens, float32 GEMMs over widened panels where the CPU has no BF16 or INT8
 // GEMM), with odd widths that exercise the masked tails. Each kernel's
 // documented rounding is part of the reference: BF16 products round activations to BF16, INT8
-// products (with VNNI) quantise activations per token to int8.
+// products quantise activations per token to int8 (with VNNI or without: the same W8A8 product).
 #include "kernels/cpu/ops.h"
 
 #include <gtest/gtest.h>
@@ -92,7 +92,7 @@ TEST_P(MatmulTest, MatchesReference) {
 
   // The activations each kernel actually multiplies.
   std::vector<double> xref(x.begin(), x.end());
-  const bool vnni = c.type == WeightType::kI8 && avx512::has_vnni();
+  const bool w8a8 = c.type == WeightType::kI8;
   // BF16 weights round the activations to BF16 where a BF16 kernel runs: oneDNN's GEMM from four
   // tokens (where it has one), the vdpbf16ps rows up to four.
   const bool bf16_acts = c.type == WeightType::kBF16 && ((c.n >= 4 && onednn_has_bf16_matmul()) ||
@@ -103,7 +103,7 @@ TEST_P(MatmulTest, MatchesReference) {
     const float scale = amax > 0 ? static_cast<float>(amax) / 127.0f : 1.0f;
     for (int64_t k = 0; k < c.cols; ++k) {
       double& v = xref[t * c.cols + k];
-      if (vnni)
+      if (w8a8)
         v = std::clamp<double>(std::nearbyint(x[t * c.cols + k] * (1.0f / scale)), -127, 127) *
             scale;
       else if (bf16_acts)

@@ -304,7 +304,8 @@ void gemm_loops(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const 
 // BF16 or INT8 weights where oneDNN has no GEMM for them (CPUs without AVX-512 BF16 or VNNI):
 // panels of rows widened to float32 (exactly; INT8 rows scaled) and multiplied by oneDNN's
 // float32 GEMM, which runs near the FMA peak where the row kernels reach about a fifth of it.
-// Activations stay float32, as on the row kernels. A panel (about 4 MB) stays in L2/L3 while the
+// Activations stay float32, as on the row kernels (INT8 rows get them quantised to integers by
+// matmul_int8_on_float_kernels). A panel (about 4 MB) stays in L2/L3 while the
 // GEMM reads it; widening costs about 1/n of the product's work.
 bool matmul_widened(const Matrix& w, const float* x, int64_t n, float* y) {
   const int64_t panel_rows = std::clamp<int64_t>((4 << 20) / (w.cols * 4), 16, w.rows);
@@ -351,8 +352,45 @@ bool batch_invariant() {
   return g_batch_invariant.load(std::memory_order_relaxed);
 }
 
+namespace {
+
+// INT8 weights where the VNNI kernels do not run (no VNNI, or no row sums): the same W8A8 product
+// they compute, so a model gives the same logits on every CPU. The activations are quantised per
+// token as quantize_u8_rows does (scale max|x| / 127, round to nearest, clamp to +-127) and kept
+// as float32 integers; the float kernels multiply them by the INT8 rows (each product exact, the
+// sums exact up to 2^24) and the row scales, then the token's scale is applied.
+void matmul_int8_on_float_kernels(const Matrix& w, const float* x, int64_t n, float* y) {
+  thread_local std::vector<float> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(static_cast<size_t>(n * w.cols));
+  xs.resize(static_cast<size_t>(n));
+  float* xqp = xq.data();
+  float* xsp = xs.data();
+#pragma omp parallel for schedule(static) if (n * w.cols > (1 << 16))
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * w.cols;
+    float amax = 0;
+    for (int64_t c = 0; c < w.cols; ++c) amax = std::max(amax, std::abs(xt[c]));
+    const float scale = amax > 0 ? amax / 127.0f : 1.0f, inv = 1.0f / scale;
+    xsp[t] = scale;
+    for (int64_t c = 0; c < w.cols; ++c)
+      xqp[t * w.cols + c] = std::clamp(std::nearbyint(xt[c] * inv), -127.0f, 127.0f);
+  }
+  if (batch_invariant() || n < kWidenMinTokens || !matmul_widened(w, xqp, n, y))
+    matmul_f32_activations(w, xqp, n, y);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < w.rows; ++r) y[t * w.rows + r] *= xsp[t];
+}
+
+}  // namespace
+
 void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
-  if (batch_invariant() && !(w.type == WeightType::kI8 && avx512::has_vnni())) {
+  if (w.type == WeightType::kI8 && !(avx512::has_vnni() && !w.row_sums.empty())) {
+    matmul_int8_on_float_kernels(w, x, n, y);
+    return;
+  }
+  // INT8 products reaching here run on VNNI: integer sums, the same whatever the batch.
+  if (batch_invariant() && w.type != WeightType::kI8) {
     matmul_f32_activations(w, x, n, y);
     return;
   }
@@ -387,7 +425,7 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     }
     return;
   }
-  if (w.type == WeightType::kI8 && avx512::has_vnni() && !w.row_sums.empty()) {
+  if (w.type == WeightType::kI8) {
     matmul_int8_vnni(w, x, n, y);
     return;
   }
