@@ -973,7 +973,7 @@ TEST_F(Disaggregation, APrefillLegWhoseDecodeLegAbandonsTheRoomMidPrefillCountsA
   // A prompt of 2000 tokens, 16 a step: its prefill runs for many steps.
   Engine p = start(
       "prefill",
-      {"--kv-transfer-timeout", "600", "--sim-time-scale", "50", "--max-num-batched-tokens", "16"},
+      {"--kv-transfer-timeout", "600", "--sim-time-scale", "500", "--max-num-batched-tokens", "16"},
       "sim:tiny");
   Engine d = start("decode", {}, "sim:tiny");
   json body = {{"prompt", tokens(2000, 100)},
