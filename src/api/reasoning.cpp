@@ -71,6 +71,16 @@ bool prompt_opens_reasoning(std::string_view prompt, size_t continued_at) {
   return last_marker(prompt, continued_at) == LastMarker::kOpen;
 }
 
+std::string_view answer_written(std::string_view prompt, size_t continued_at,
+                                ReasoningFormat format) {
+  if (continued_at >= prompt.size()) return {};
+  std::string_view written = prompt.substr(continued_at);
+  const size_t close = written.rfind(kClose);
+  if (format != ReasoningFormat::kNone && close != std::string_view::npos)
+    written.remove_prefix(close + kClose.size());
+  return written;
+}
+
 ReasoningParser::ReasoningParser(bool all_content)
     : state_(all_content ? State::kContent : State::kStart) {}
 

@@ -29,6 +29,11 @@ bool prompt_ends_reasoning(std::string_view prompt, size_t continued_at = std::s
 // Whether the prompt leaves the answer inside an open think block: by the same rule, its last
 // marker is <think> (templates that always open one, as QwQ's and Qwen3-Thinking-2507's).
 bool prompt_opens_reasoning(std::string_view prompt, size_t continued_at = std::string_view::npos);
+// The answer's text that a continued final message (from `continued_at` on) already wrote: with
+// a reasoning format, what follows its last </think> (all of it without one), since its
+// reasoning is not the answer; without a format, all of it. Empty when none is continued (npos).
+std::string_view answer_written(std::string_view prompt, size_t continued_at,
+                                ReasoningFormat format);
 
 // What became certain of the answer after one update.
 struct ReasoningDelta {

@@ -929,6 +929,21 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     if (r.reasoning != ReasoningFormat::kNone && !r.reasoning_all_content)
       r.sampling.reasoning_end_token = tokenizer.token_to_id(kReasoningEnd);
     if (!r.sampling.reasoning_end_token) r.reasoning_all_content = true;
+    // A grammar reads the answer from its first generated token, so it cannot take up answer
+    // text that a continued final message already wrote. vLLM's starts over after that text (the
+    // message then holds it and a second, whole answer); a grammar fed it would leave the content
+    // a tail that alone does not parse, and a forced call's markup outside the parsed answer.
+    // Neither is surely what the client meant, so it is told to choose.
+    const std::string_view written = answer_written(rendered, continued_at, r.reasoning);
+    const std::string& constraint = r.sampling.structured_output->field;
+    if (use == ChatUse::kGenerate && !r.sampling.reasoning_end_token &&
+        written.find_first_not_of(" \t\r\n") != std::string_view::npos)
+      fail("continue_final_message",
+           "'continue_final_message' continues a final message that already wrote part of the "
+           "answer, which '" +
+               constraint +
+               "' constrains from its start: send the final message without its answer text (its "
+               "reasoning may stay), or only one of the two fields");
   }
   check_length(r, limits, body, max_name, "messages");
   return r;

@@ -190,10 +190,10 @@ TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromIts
     json message;
     bool closed;
   };
+  // The closed one has written none of the answer (what a constrained answer needs: below).
   const std::vector<Case> cases = {
-      {&verbatim, {{"content", "<think>x</think>\n\n{\"a\": "}}, true},
+      {&verbatim, {{"content", "<think>x</think>"}}, true},
       {&verbatim, {{"content", "<think>x</think> <think>still thinking"}}, false},
-      {&qwen3_template(), {{"content", "{\"a\": "}, {"reasoning_content", "x"}}, true},
       {&qwen3_template(), {{"content", "<think>still thinking"}}, false},
   };
   for (const Case& c : cases) {
@@ -206,6 +206,64 @@ TEST(Reasoning, AContinuedFinalMessageThatClosedItsReasoningIsConstrainedFromIts
     else
       EXPECT_EQ(r.sampling.reasoning_end_token, think_end);
   }
+}
+
+// A grammar holds from the answer's first generated token, so a constrained answer cannot go on
+// from answer text that a continued final message already wrote (after its reasoning closed, or
+// without a reasoning parser at all): vLLM's grammar starts over after it, leaving a message of
+// that text and a second whole answer. The request is refused, naming both fields; the same
+// message continued unconstrained, or still thinking, is served.
+TEST(Reasoning, AConstrainedAnswerIsRefusedWhereTheContinuedMessageAlreadyWroteSomeOfIt) {
+  const ModelLimits qwen3_parser{.model_name = "m",
+                                 .max_model_len = 4096,
+                                 .vocab_size = 151936,
+                                 .reasoning = ReasoningFormat::kQwen3};
+  const ModelLimits no_parser{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  const text::ChatTemplate verbatim(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}");
+  const json tool = {{"type", "function"},
+                     {"function", {{"name", "w"}, {"parameters", {{"type", "object"}}}}}};
+  const json json_object = {{"response_format", {{"type", "json_object"}}}};
+  const json forced_call = {{"tools", json::array({tool})}, {"tool_choice", "required"}};
+  auto body_of = [](const json& final_message, const json& constraint) {
+    json last = final_message;
+    last["role"] = "assistant";
+    json body = {{"model", "m"},
+                 {"messages", {{{"role", "user"}, {"content", "hi"}}, last}},
+                 {"add_generation_prompt", false},
+                 {"continue_final_message", true}};
+    body.update(constraint);
+    return body;
+  };
+  struct Case {
+    const text::ChatTemplate* tmpl;
+    const ModelLimits* limits;
+    json message;
+  };
+  const std::vector<Case> written = {
+      {&verbatim, &qwen3_parser, {{"content", "<think>x</think>\n\n{\"a\": "}}},
+      {&qwen3_template(), &qwen3_parser, {{"content", "{\"a\": "}, {"reasoning_content", "x"}}},
+      {&verbatim, &no_parser, {{"content", "{\"a\": "}}},
+      {&verbatim, &no_parser, {{"content", "<think>x</think>"}}},  // no parser: all answer
+  };
+  for (const Case& c : written)
+    for (const json& constraint : {json_object, forced_call}) {
+      SCOPED_TRACE(c.message.dump() + " " + constraint.dump());
+      const json body = body_of(c.message, constraint);
+      const ApiError e = api_test::error_of([&] { parse_chat(body, qwen3(), c.tmpl, *c.limits); });
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, "continue_final_message");
+      const std::string field = constraint.contains("tools") ? "tool_choice" : "response_format";
+      EXPECT_NE(e.message.find("'" + field + "'"), std::string::npos) << e.message;
+      // Unconstrained, the same message is continued.
+      const ApiRequest unconstrained =
+          parse_chat(body_of(c.message, json::object()), qwen3(), c.tmpl, *c.limits);
+      EXPECT_FALSE(unconstrained.sampling.structured_output);
+    }
+  // Still thinking, the grammar waits for the </think> the model writes: nothing was written.
+  const ApiRequest thinking =
+      parse_chat(body_of({{"content", "<think>x"}}, json_object), qwen3(), &verbatim, qwen3_parser);
+  EXPECT_EQ(thinking.sampling.reasoning_end_token, qwen3().token_to_id("</think>"));
 }
 
 // A ChatML template whose generation prompt ends with `after_assistant` after the assistant's
