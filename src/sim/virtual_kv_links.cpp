@@ -97,7 +97,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       Refusal f = std::move(refusal->second);
       refusals_.erase(refusal);
       net_.clock_.cancel(f.expiry);
-      if (f.prompt_hash == prompt_hash && f.prompt_tokens == prompt_tokens)
+      if (f.refuses_prefill && f.prompt_hash == prompt_hash && f.prompt_tokens == prompt_tokens)
         throw engine::KvTransferError(f.error, true);
     }
     Room& r = rooms_[room];
@@ -234,11 +234,15 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   struct Fetch {
     std::function<void(const KvFetchResult&)> done;
   };
-  // Left by an abandonment that came before its room's prefill leg: that leg is refused.
+  // Left where a room ended before one of its legs came, as the live agent's failed rooms: a
+  // decode leg that registers later is failed with `error` at once (register_room), and a prefill
+  // leg of the prompt is refused with it where `refuses_prefill` (its decode leg abandoned the room
+  // or was refused); a prefill leg that failed alone leaves one that a prefill leg replaces.
   struct Refusal {
     uint64_t prompt_hash = 0;
     int64_t prompt_tokens = 0;
     std::string error;
+    bool refuses_prefill = true;
     gateway::Executor::TimerId expiry;
   };
 
@@ -541,6 +545,17 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   void register_room(KvFetch f, Endpoint* decode) {
+    if (auto refusal = refusals_.find(f.room); refusal != refusals_.end()) {
+      // The room failed before this leg came (its prefill leg timed out alone, say): the live
+      // serve_register tells it so at once, the prefill engine's answer, not its fault.
+      net_.clock_.cancel(refusal->second.expiry);
+      at(now_s() + net_.link_.latency_s,
+         [decode, id = f.request_id, error = std::move(refusal->second.error)] {
+           decode->finish_fetch(id, {false, error, 0});
+         });
+      refusals_.erase(refusal);
+      return;
+    }
     Room& r = rooms_[f.room];
     if (r.decode) {
       at(now_s() + net_.link_.latency_s, [decode, id = f.request_id, room = f.room] {
@@ -728,6 +743,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
     if (r.claim != 0 && r.done)
       to_engine([d = std::move(r.done), why, abandoned] { d(false, why, abandoned); });
+    // A decode leg that comes later learns why at once, as from the live agent's finish_room.
+    if (r.claim != 0 && !r.decode) leave_refusal(room, r.prompt_hash, r.prompt_tokens, why, false);
   }
 
   // Prefill side: the decode leg of `room` ended before it registered, or gave up before the
@@ -746,15 +763,17 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     fail_room(room, reason, true);
   }
 
-  // Prefill side: a prefill leg of this prompt that comes for `room` within the timeout is
-  // refused with `error`, as abandoned (open_room); a refusal there already stands.
+  // Prefill side: a leg that comes for `room` within the timeout is refused with `error`, a decode
+  // leg whatever its prompt, a prefill leg of this prompt as abandoned where `refuses_prefill`
+  // (open_room); a refusal there already stands.
   void leave_refusal(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
-                     const std::string& error) {
+                     const std::string& error, bool refuses_prefill = true) {
     if (refusals_.count(room)) return;
     Refusal& f = refusals_[room];
     f.prompt_hash = prompt_hash;
     f.prompt_tokens = prompt_tokens;
     f.error = error;
+    f.refuses_prefill = refuses_prefill;
     f.expiry = at(now_s() + config_.timeout_s, [this, room] { refusals_.erase(room); });
   }
 

@@ -236,7 +236,54 @@ TEST_F(VirtualKvLinks, APrefillLegThatComesFirstWaitsOutItsComputeAndThenTheTime
   EXPECT_FALSE(unserved.ok.has_value()) << unserved.error;
   run_until(80);  // room 8 never had a decode leg: it fails 30 s after its last layer, at 70 s
   EXPECT_EQ(unserved.ok, std::optional<bool>(false));
+  EXPECT_EQ(unserved.error, "no decode engine registered bootstrap_room 8 within 30 s");
+  EXPECT_FALSE(unserved.abandoned);
   EXPECT_NEAR(unserved.at_s, 70, 1e-9);
+}
+
+// A decode leg that registers after its room's prefill leg, alone, failed: live, the failed room
+// leaves a marker (KvTransferAgent::finish_room) that fails the late leg at once with the prefill
+// leg's failure, as the prefill engine's answer, not its fault, instead of letting it wait out its
+// timeout for a prefill leg that is gone. The marker is used once. Timeouts 30 s, a link's
+// latency 50 us.
+TEST_F(VirtualKvLinks, ADecodeLegLateForAFailedPrefillLegIsFailedAtOnce) {
+  // Room 7: its prefill leg times out at 30 s. Room 8: its prefill leg fails at 35 s.
+  RoomEnd timed_out, failed;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(timed_out));
+  ASSERT_NE(claim, 0u);
+  prefill_->room_layers_done(7, claim, 2);
+  run_until(35);
+  const uint64_t other = prefill_->open_room(8, 1234, 8, room_end(failed));
+  ASSERT_NE(other, 0u);
+  prefill_->room_failed(8, other, "the prefill request was cancelled");
+  run_until(40);
+  ASSERT_EQ(timed_out.ok, std::optional<bool>(false));
+  ASSERT_EQ(failed.ok, std::optional<bool>(false));
+
+  FetchEnd late_7, late_8;
+  decode_->fetch(registration(), fetch_end(late_7));
+  engine::KvFetch f = registration();
+  f.room = 8;
+  f.request_id = "registered-8";
+  decode_->fetch(f, fetch_end(late_8));
+  run_until(45);
+  ASSERT_TRUE(late_7.result.has_value());
+  EXPECT_FALSE(late_7.result->ok);
+  EXPECT_FALSE(late_7.result->prefill_fault);
+  EXPECT_EQ(late_7.result->error, "no decode engine registered bootstrap_room 7 within 30 s");
+  EXPECT_NEAR(late_7.at_s, 40.0001, 1e-6);  // registered at 40.00005 s, told 50 us later
+  ASSERT_TRUE(late_8.result.has_value());
+  EXPECT_FALSE(late_8.result->ok);
+  EXPECT_FALSE(late_8.result->prefill_fault);
+  EXPECT_EQ(late_8.result->error, "the prefill request was cancelled");
+  EXPECT_NEAR(late_8.at_s, 40.0001, 1e-6);
+
+  FetchEnd again;  // the marker was used: another decode leg of room 7 waits for its prefill leg
+  f = registration();
+  f.request_id = "registered-again";
+  decode_->fetch(f, fetch_end(again));
+  run_until(60);
+  EXPECT_FALSE(again.result.has_value());
 }
 
 // With both legs there and no layer written yet, the live decode engine waits for the prompt's
