@@ -26,6 +26,12 @@ void add_gateway_capacity_flags(CLI::App& cmd, GatewayCapacityFlags& flags) {
   cmd.add_option("--max-queue", flags.max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, kMaxCount));
+  // Bounded as the file's key: CLI11 reads "-1" into a size_t as its largest value.
+  cmd.add_option("--max-queued-body-bytes", flags.max_queued_body_bytes,
+                 "bytes of request bodies waiting in the gateway before 429, unless nothing "
+                 "waits (max_queued_body_bytes; 0: no bound)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{0}, static_cast<size_t>(std::numeric_limits<int64_t>::max())));
   add_max_connections_flag(cmd, flags.max_connections);
   cmd.add_option("--max-connections-per-address", flags.max_connections_per_address,
                  "of those, held at once from one client address; past it its new ones are "
@@ -90,6 +96,7 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
                                   const CLI::App& cmd, bool only_given) {
   const auto given = [&](const char* flag) { return !only_given || cmd.count(flag) > 0; };
   if (given("--max-queue")) t.max_queue = flags.max_queue;
+  if (given("--max-queued-body-bytes")) t.max_queued_body_bytes = flags.max_queued_body_bytes;
   if (given("--max-connections")) t.max_connections = flags.max_connections;
   if (given("--max-connections-per-address"))
     t.max_connections_per_address = flags.max_connections_per_address;
@@ -107,6 +114,8 @@ void share_among_gateway_replicas(gateway::Topology& t, int replicas,
   const auto n = static_cast<size_t>(replicas);
   for (gateway::Pool* p : {&t.prefill, &t.decode})
     p->max_in_flight = static_cast<int>(share_rounded_up(static_cast<size_t>(p->max_in_flight), n));
+  // The replicas' queues hold their bodies in one process's memory.
+  t.max_queued_body_bytes = share_rounded_up(t.max_queued_body_bytes, n);
   // The default is an equal share rounded down: together no more than one gateway's, which
   // leaves the process a quarter of its descriptors.
   t.max_connections = t.max_connections > 0

@@ -26,6 +26,8 @@ struct GatewayCapacityFlags {
   int64_t max_body_time_ms = gateway::Topology{}.max_body_time.count();  // --max-body-time-ms
   std::vector<std::string> allowed_origins =
       gateway::Topology{}.allowed_origins;  // --allowed-origins
+  // --max-queued-body-bytes
+  size_t max_queued_body_bytes = gateway::Topology{}.max_queued_body_bytes;
 };
 
 // Adds the flags to `cmd`; a value out of bounds is refused as the command line is read, naming
@@ -51,7 +53,8 @@ void apply_gateway_capacity_flags(gateway::Topology& t, const GatewayCapacityFla
 // stack: the engines' in-flight limits and the client connection cap (the stack's file
 // descriptor limit is one; with max_connections 0 each takes its share of three quarters of
 // `descriptor_limit`, nullopt where unknown or unlimited), a given one divided rounding up (so
-// never to 0, which would mean the default). max_queue and io_threads stay each replica's own,
+// never to 0, which would mean the default), and the queue's byte bound (max_queued_body_bytes:
+// the process's memory; 0, no bound, stays 0). max_queue and io_threads stay each replica's own,
 // and max_connections_per_address whole: the replicas share one count of it
 // (net::ConnectionsPerAddress).
 void share_among_gateway_replicas(gateway::Topology& t, int replicas,

@@ -498,9 +498,9 @@ void add_serve_command(CLI::App& app) {
                   "for stdout");
   cmd->add_option("--gateways", o->gateways,
                   "gateway replicas behind the one port (SO_REUSEPORT), in one process: each "
-                  "takes its share of the engines' in-flight limits and of --max-connections "
-                  "(bounds of the whole stack, divided rounding up; without --max-connections, "
-                  "of three quarters of the file descriptor limit); "
+                  "takes its share of the engines' in-flight limits, of --max-connections "
+                  "(without it, of three quarters of the file descriptor limit) and of "
+                  "--max-queued-body-bytes (bounds of the whole stack, divided rounding up); "
                   "--max-connections-per-address bounds an address across all of them; "
                   "--max-queue and --http-threads are each replica's own; an admin change "
                   "through one applies to all")

@@ -139,6 +139,7 @@ std::vector<std::string> not_applied(const Topology& then, const Topology& now) 
             then.default_max_tokens == now.default_max_tokens,
         "max_tokens");
   check(then.max_queue == now.max_queue, "max_queue");
+  check(then.max_queued_body_bytes == now.max_queued_body_bytes, "max_queued_body_bytes");
   check(then.max_answer_bytes == now.max_answer_bytes, "max_answer_bytes");
   check(then.prefill_retries == now.prefill_retries, "prefill_retries");
   // Whole sections compared (defaulted ==), so a field added to one is covered: comparing a

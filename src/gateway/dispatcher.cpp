@@ -105,7 +105,7 @@ std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
 
 Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream,
                        const Policy& policy, EndpointTable& endpoints, GatewayMetrics& metrics,
-                       AccessLog* access_log, DispatcherOptions options)
+                       AccessLog* access_log)
     : topo_(topology),
       exec_(executor),
       upstream_(upstream),
@@ -113,7 +113,6 @@ Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& u
       endpoints_(endpoints),
       metrics_(metrics),
       relay_(topology, executor, *this),
-      options_(options),
       recorder_(metrics, access_log, topology) {
   endpoints_.on_forget([this](int id) {
     policy_state_.prefill_tree.remove_tenant(id);
@@ -200,7 +199,7 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
   // queue past its bound (they are no arrivals).
   const size_t to_free = waiting_.size() < max ? 0 : waiting_.size() - max + 1;
   // The byte bound holds unless nothing waits: freeing every waiting body admits any arrival.
-  const size_t max_bytes = options_.max_queued_body_bytes;
+  const size_t max_bytes = topo_.max_queued_body_bytes;
   const size_t bytes_to_free =
       max_bytes == 0 || queued_body_bytes_ + arriving_bytes <= max_bytes
           ? 0

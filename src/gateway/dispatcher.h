@@ -38,21 +38,12 @@ class AccessLog;
 // What the requests a stopping gateway ends get (Dispatcher::shut_down): an OpenAI error, 503.
 inline constexpr std::string_view kShuttingDown = "the gateway is shutting down";
 
-// The dispatcher's limits beyond the topology's.
-struct DispatcherOptions {
-  // The most bytes of request bodies its queue holds (the bodies of the requests waiting: at
-  // max_queue's 1024 places, bodies of 8 MiB take 8 GiB): an arrival that would take it past gets
-  // 429 as at a full queue, unless nothing waits. 0: no bound.
-  size_t max_queued_body_bytes = 0;
-};
-
 class Dispatcher {
  public:
   // Everything is owned by the caller and outlives the dispatcher; `access_log` may be null.
   // `policy` is made with the topology's policy_options.
   Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream, const Policy& policy,
-             EndpointTable& endpoints, GatewayMetrics& metrics, AccessLog* access_log,
-             DispatcherOptions options = {});
+             EndpointTable& endpoints, GatewayMetrics& metrics, AccessLog* access_log);
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
@@ -64,7 +55,7 @@ class Dispatcher {
   // the queue when it has a place free (made by shedding lower classes' waiting requests where it
   // must: make_room), or all are refused (429); a client never has some of its choices computed
   // and the rest refused. A group of n overshoots max_queue by at most n - 1; one larger than
-  // max_queue is the client's error (400). Past DispatcherOptions::max_queued_body_bytes an
+  // max_queue is the client's error (400). Past Topology::max_queued_body_bytes an
   // arrival is refused (429) as at a full queue, unless shedding lower classes' requests frees the
   // bytes (make_room). Requests already ended are skipped.
   void submit(std::span<const RequestPtr> group);
@@ -104,7 +95,7 @@ class Dispatcher {
 
   size_t waiting() const { return waiting_.size(); }
   size_t active() const { return active_.size(); }
-  // Bytes of request bodies the waiting requests hold (DispatcherOptions::max_queued_body_bytes).
+  // Bytes of request bodies the waiting requests hold (Topology::max_queued_body_bytes).
   size_t queued_body_bytes() const { return queued_body_bytes_; }
 
   // ---- any thread
@@ -261,9 +252,8 @@ class Dispatcher {
   std::atomic<bool> stopping_{false};
   std::function<void()> idle_;  // when_idle's
 
-  const DispatcherOptions options_;
   std::deque<RequestPtr> waiting_;
-  // What waiting_ holds of bodies (body_bytes), for options_.max_queued_body_bytes.
+  // What waiting_ holds of bodies (body_bytes), for Topology::max_queued_body_bytes.
   size_t queued_body_bytes_ = 0;
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;

@@ -247,13 +247,15 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     if (e.prefill && can_serve(e, decoding)) pairing.insert(e.config.group);
   const bool pairs = topo_.mode == PdMode::kParallel;
   for (const bool prefill : prefill_pools) {
-    int total = 0, ejected = 0, draining = 0, unchecked = 0, at_limit = 0, no_decode = 0,
-        no_prefill = 0, busy = 0;
+    int total = 0, ejected = 0, draining = 0, not_admitted = 0, unchecked = 0, at_limit = 0,
+        no_decode = 0, no_prefill = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill) continue;
       ++total;
       if (e.draining)
         ++draining;
+      else if (e.unchecked && !e.healthy)  // new, never took a request: no failure to look for
+        ++not_admitted;
       else if (!e.healthy)
         ++ejected;
       else if (!can_serve(e, decoding))
@@ -275,6 +277,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     };
     part(ejected, "ejected after failing requests or health checks");
     part(draining, "draining");
+    part(not_admitted, "not admitted yet (new, its health probe failed; probed each interval)");
     part(unchecked, "not yet checked (new, its first health check under way)");
     part(at_limit, "at the in-flight limit");
     part(no_decode, "whose group has no eligible decode engine");
@@ -351,7 +354,7 @@ bool EndpointTable::checked(EndpointState& e) {
   return std::exchange(e.unchecked, false);
 }
 
-bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
+bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now, const std::string& why) {
   EndpointState* e = find(id);
   if (!e) return false;
   e->probing = false;
@@ -361,12 +364,20 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     if (e->unchecked && e->healthy) {
       // A new engine that fails its first probe (one still loading its model refuses
       // connections) is not admitted: with its limit it would take requests that fail until
-      // failures_to_eject. Out of routing as an ejected engine, it is probed at each interval;
-      // one that passes is readmitted and stays held until its model list answered.
+      // failures_to_eject. Out of routing (not healthy, but never ejected: it took nothing), it
+      // is probed at each interval; one that passes stays held until its model list answered.
+      // The line says so: "ejected" or a failure count would send an operator looking for an
+      // engine that failed requests.
       std::fprintf(stderr,
-                   "tandem gateway: engine %s (%s) not admitted: its first health probe failed; "
-                   "a passing probe admits it once its model list answered\n",
-                   e->config.name.c_str(), address_key(e->config).c_str());
+                   "tandem gateway: engine %s (%s) not admitted: %s (%s); it takes no requests "
+                   "until a later probe passes (one every %lld ms) and its model list has been "
+                   "asked\n",
+                   e->config.name.c_str(), address_key(e->config).c_str(),
+                   e->probe_passed == Clock::time_point{}
+                       ? "its first health probe failed"
+                       : "its health probe failed before its model list answered",
+                   why.empty() ? "no reason given" : why.c_str(),
+                   static_cast<long long>(topo_.health.probe_interval.count()));
       e->healthy = false;
       e->healthy_gauge->set(0);
       update_ready();
@@ -374,6 +385,7 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     failure(*e, "a failed health probe");
     return !e->healthy && (was_healthy || !was_failing);
   }
+  const int failed_probes = e->consecutive_failures;
   e->probe_failed = false;
   e->probe_passed = now;
   e->consecutive_failures = 0;
@@ -384,11 +396,15 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     return false;
   }
   if (e->healthy) return false;
-  std::fprintf(stderr, "tandem gateway: engine %s (%s) %s\n", e->config.name.c_str(),
-               address_key(e->config).c_str(),
-               e->unchecked ? "passed its first health probe; its model list is asked before it "
-                              "takes requests"
-                            : "readmitted: its health probe passed");
+  if (e->unchecked)
+    std::fprintf(stderr,
+                 "tandem gateway: engine %s (%s) passed a health probe after %d failed %s; its "
+                 "model list is asked before it takes requests\n",
+                 e->config.name.c_str(), address_key(e->config).c_str(), failed_probes,
+                 failed_probes == 1 ? "probe" : "probes");
+  else
+    std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: its health probe passed\n",
+                 e->config.name.c_str(), address_key(e->config).c_str());
   readmit(*e, now);
   return true;
 }
@@ -423,11 +439,13 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
   }
   bool changed = held;
   if (!not_serving.empty()) {
+    // An engine held for its first check took no request: it is not admitted, not ejected.
     if (not_serving != e->not_serving)
-      std::fprintf(stderr, "tandem gateway: engine %s (%s) ejected: %s\n", e->config.name.c_str(),
-                   address_key(e->config).c_str(), not_serving.c_str());
+      std::fprintf(stderr, "tandem gateway: engine %s (%s) %s: %s\n", e->config.name.c_str(),
+                   address_key(e->config).c_str(), held ? "not admitted" : "ejected",
+                   not_serving.c_str());
     changed = changed || e->healthy;
-    if (e->healthy) e->ejections_total->inc();
+    if (e->healthy && !held) e->ejections_total->inc();
     e->healthy = false;
     e->healthy_gauge->set(0);
     e->not_serving = std::move(not_serving);

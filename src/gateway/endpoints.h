@@ -64,7 +64,8 @@ struct EndpointState {
   // engine the check ejects (serving another model) takes no requests first. Each call of the
   // check is cut at health.probe_timeout, so once its probe passed this ends within that
   // timeout, whatever the list call answers (a model list that is no answer ends it too). One
-  // whose first probe fails is out of routing meanwhile, as an ejected engine (not healthy).
+  // whose first probe fails is out of routing meanwhile (not healthy), said "not admitted", not
+  // ejected.
   bool unchecked = false;
   // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
   // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
@@ -161,9 +162,10 @@ class EndpointTable {
                           std::optional<uint64_t> cache_salt = std::nullopt) const;
   // What the engines of the named pools were doing at `now`, for the 503 that says why none took
   // a request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit"
-  // (a readmitted engine's limit as it ramps up; a prefill engine whose group cannot decode, and
-  // in parallel mode a decode engine whose group has no eligible prefill engine to pair with,
-  // said so). An engine free by all of these is left to the policy's own load limits.
+  // (an engine that joined and failed its probe is "not admitted yet", not ejected: it failed no
+  // request; a readmitted engine's limit as it ramps up; a prefill engine whose group cannot
+  // decode, and in parallel mode a decode engine whose group has no eligible prefill engine to
+  // pair with, said so). An engine free by all of these is left to the policy's own load limits.
   std::string pools_state(const std::vector<bool>& prefill_pools, Clock::time_point now) const;
 
   // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends
@@ -182,8 +184,10 @@ class EndpointTable {
   // Health probe and load poll results; true when the engine's state changed so that waiting
   // requests may now start (readmitted, or a fresher load report) or have no engine left
   // (ejected by its probes, or an unchecked engine's first probe failed), or an ejected engine's
-  // probes began to fail: the caller dispatches again (engines_changed).
-  bool probe_result(int id, bool ok, Clock::time_point now);
+  // probes began to fail: the caller dispatches again (engines_changed). `why`: how a failed
+  // probe failed ("connect: Connection refused"), for the line that says an engine is not
+  // admitted.
+  bool probe_result(int id, bool ok, Clock::time_point now, const std::string& why = {});
   bool load_result(int id, LaunchedAtPoll launched_at_poll, LoadAnswer answer,
                    Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a

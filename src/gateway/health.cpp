@@ -143,9 +143,12 @@ net::AsyncHttpRequest HealthMonitor::engine_get(const EndpointState& e, std::str
   return u;
 }
 
-void HealthMonitor::bound(Upstream::CallId call) {
+void HealthMonitor::bound(Upstream::CallId call, std::shared_ptr<bool> cut) {
   // An ended call's id is ignored by cancel(): no need to disarm this when the call ends.
-  exec_.at(exec_.now() + topo_.health.probe_timeout, [this, call] { upstream_.cancel(call); });
+  exec_.at(exec_.now() + topo_.health.probe_timeout, [this, call, cut = std::move(cut)] {
+    if (cut) *cut = true;
+    upstream_.cancel(call);
+  });
 }
 
 void HealthMonitor::probe_all() {
@@ -158,16 +161,24 @@ void HealthMonitor::probe(int id) {
   if (!e || e->probing || e->draining) return;
   e->probing = true;
   auto status = std::make_shared<int>(0);
+  auto cut = std::make_shared<bool>(false);
   net::AsyncHttpHandlers h;
   h.on_head = [status](int s, const net::Headers&) { *status = s; };
-  h.on_done = [this, status, id](const std::string& error) {
+  h.on_done = [this, status, cut, id](const std::string& error) {
     const bool ok = error.empty() && *status == 200;
-    exec_.post([this, id, ok] {
-      if (endpoints_.probe_result(id, ok, exec_.now())) changed_();
+    // How it failed, for the line of an engine not admitted.
+    std::string why;
+    if (!ok) why = !error.empty() ? error : "it answered HTTP " + std::to_string(*status);
+    // `cut` is read on the scheduling thread, which sets it before the cancel.
+    exec_.post([this, id, ok, cut, why = std::move(why)]() mutable {
+      if (!ok && *cut)
+        why = "no answer within health.probe_timeout_ms, " +
+              std::to_string(topo_.health.probe_timeout.count()) + " ms";
+      if (endpoints_.probe_result(id, ok, exec_.now(), why)) changed_();
       if (ok) ask_length(id);
     });
   };
-  bound(upstream_.start(engine_get(*e, "/health"), std::move(h)));
+  bound(upstream_.start(engine_get(*e, "/health"), std::move(h)), cut);
 }
 
 // GET /v1/models of an engine that passed a probe, if its longest sequence is to be asked.

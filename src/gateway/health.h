@@ -7,6 +7,7 @@
 // the engines that report their load or may (dialect auto). Calls go through the Upstream seam,
 // timers through the Executor: tests drive both without sockets or clocks.
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -76,8 +77,8 @@ class HealthMonitor {
   net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
   // Cancels `call` at the probe timeout if it has not ended: the HTTP client bounds each piece
   // only, and a body trickled a byte at a time would keep the call (and the engine's probing or
-  // load_polling) open forever.
-  void bound(Upstream::CallId call);
+  // load_polling) open forever. `cut`, if given, is set when it cancels the call.
+  void bound(Upstream::CallId call, std::shared_ptr<bool> cut = nullptr);
 
   const Topology& topo_;
   Executor& exec_;

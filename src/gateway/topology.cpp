@@ -507,6 +507,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                                "admin_api_key",
                                "metrics_api_key",
                                "max_queue",
+                               "max_queued_body_bytes",
                                "max_answer_bytes",
                                "prefill_retries",
                                "retry_backoff_ms",
@@ -603,6 +604,10 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                          "a number of tokens >= 0 (0: no limit)");
   if (has("max_queue"))
     t.max_queue = static_cast<size_t>(r.count(keys.at("max_queue"), "max_queue", 1));
+  if (has("max_queued_body_bytes"))
+    t.max_queued_body_bytes = static_cast<size_t>(
+        r.integer(keys.at("max_queued_body_bytes"), "max_queued_body_bytes", 0,
+                  std::numeric_limits<long long>::max(), "a size in bytes >= 0 (0: no bound)"));
   if (has("max_answer_bytes"))
     t.max_answer_bytes = r.held_bytes(keys.at("max_answer_bytes"), "max_answer_bytes");
   if (has("prefill_retries"))

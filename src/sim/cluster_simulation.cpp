@@ -610,6 +610,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     const gateway::EndpointState* seen = endpoints.find(endpoint_ids[i]);
     EngineSummary s;
     s.healthy = seen->healthy;
+    s.ejections = static_cast<int64_t>(seen->ejections_total->value());
     run.engine_failures += static_cast<int64_t>(seen->failures_total->value());
     s.name = e.name();
     s.prefill = e.engine().role() == engine::EngineRole::kPrefill;

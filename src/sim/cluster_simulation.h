@@ -107,6 +107,7 @@ struct EngineSummary {
   bool died = false;                             // a fault killed it
   bool stalled = false;                          // the run ended during its stall
   bool healthy = true;                           // as the gateway saw it at the end
+  int64_t ejections = 0;                         // times the gateway ejected it (its failures)
 };
 
 struct SimulationRun {

@@ -48,13 +48,15 @@ class CapacityFlags {
 
 TEST(GatewayCapacityFlags, EachFlagGivenLandsInItsTopologyField) {
   CapacityFlags cli;
-  ASSERT_EQ(cli.parse({"--max-queue", "7", "--max-connections", "100",
-                       "--max-connections-per-address", "3", "--max-unsent-bytes", "4096",
-                       "--max-answer-bytes", "8192", "--http-threads", "5"}),
-            "");
+  ASSERT_EQ(
+      cli.parse({"--max-queue", "7", "--max-connections", "100", "--max-connections-per-address",
+                 "3", "--max-unsent-bytes", "4096", "--max-answer-bytes", "8192", "--http-threads",
+                 "5", "--max-queued-body-bytes", "65536"}),
+      "");
   for (bool only_given : {false, true}) {
     const gateway::Topology t = cli.applied(gateway::Topology{}, only_given);
     EXPECT_EQ(t.max_queue, 7u) << only_given;
+    EXPECT_EQ(t.max_queued_body_bytes, 65536u) << only_given;
     EXPECT_EQ(t.max_connections, 100u) << only_given;
     EXPECT_EQ(t.max_connections_per_address, 3u) << only_given;
     EXPECT_EQ(t.max_unsent_bytes, 4096u) << only_given;
@@ -74,7 +76,9 @@ TEST(GatewayCapacityFlags, AFlagLeftOutKeepsTheDefaultOrTheFilesSetting) {
   file.max_unsent_bytes = 1000;
   file.max_answer_bytes = 2000;
   file.io_threads = 3;
+  file.max_queued_body_bytes = 4000;
   const gateway::Topology from_file = cli.applied(file, /*only_given=*/true);
+  EXPECT_EQ(from_file.max_queued_body_bytes, 4000u);
   EXPECT_EQ(from_file.max_queue, 7u);
   EXPECT_EQ(from_file.max_connections, 11u);
   EXPECT_EQ(from_file.max_connections_per_address, 2u);
@@ -89,6 +93,8 @@ TEST(GatewayCapacityFlags, AFlagLeftOutKeepsTheDefaultOrTheFilesSetting) {
   EXPECT_EQ(from_flags.max_unsent_bytes, defaults.max_unsent_bytes);
   EXPECT_EQ(from_flags.max_answer_bytes, defaults.max_answer_bytes);
   EXPECT_EQ(from_flags.io_threads, defaults.io_threads);
+  EXPECT_EQ(from_flags.max_queued_body_bytes, defaults.max_queued_body_bytes);
+  EXPECT_EQ(defaults.max_queued_body_bytes, size_t{1} << 30);
 }
 
 // The bounds are a topology file's: a count 1 (0 for the connection caps, "the default") to the
@@ -113,6 +119,9 @@ TEST(GatewayCapacityFlags, ABadValueIsRefusedNamingTheFlag) {
            std::tuple{"--http-threads", "0", "--http-threads: Value 0 not in range 1 to 64"},
            std::tuple{"--http-threads", "65", "--http-threads: Value 65 not in range 1 to 64"},
            std::tuple{"--max-queue", "many", "--max-queue"},
+           std::tuple{"--max-queued-body-bytes", "-1",
+                      "--max-queued-body-bytes: Value -1 not in range 0 to 9223372036854775807"},
+           std::tuple{"--max-queued-body-bytes", "1GiB", "--max-queued-body-bytes"},
        }) {
     CapacityFlags cli;
     EXPECT_THAT(cli.parse({flag, value}), HasSubstr(said)) << flag << " " << value;
@@ -157,9 +166,11 @@ TEST(GatewayCapacityFlags, TheBoundsThemselvesAreTaken) {
   CapacityFlags cli;
   ASSERT_EQ(cli.parse({"--max-queue", "2147483647", "--max-connections", "0",
                        "--max-connections-per-address", "2147483647", "--max-unsent-bytes",
-                       "17179869184", "--max-answer-bytes", "1", "--http-threads", "64"}),
+                       "17179869184", "--max-answer-bytes", "1", "--http-threads", "64",
+                       "--max-queued-body-bytes", "0"}),
             "");
   const gateway::Topology t = cli.applied(gateway::Topology{}, /*only_given=*/true);
+  EXPECT_EQ(t.max_queued_body_bytes, 0u);  // no bound
   EXPECT_EQ(t.max_queue, 2147483647u);
   EXPECT_EQ(t.max_connections, 0u);
   EXPECT_EQ(t.max_connections_per_address, 2147483647u);
@@ -239,6 +250,7 @@ TEST(GatewayReplicas, EachTakesItsShareOfTheStacksConnectionCap) {
   stack.max_connections = 1000;
   stack.max_connections_per_address = 10;
   stack.max_queue = 64;
+  stack.max_queued_body_bytes = 1000;
   stack.io_threads = 3;
   stack.prefill.max_in_flight = 10;
   stack.decode.max_in_flight = 256;
@@ -250,6 +262,9 @@ TEST(GatewayReplicas, EachTakesItsShareOfTheStacksConnectionCap) {
     EXPECT_GE(replica.max_connections * n, 1000u) << replicas;
     EXPECT_LT(replica.max_connections * n, 1000u + n) << replicas;
     EXPECT_EQ(replica.max_connections_per_address, 10u) << replicas;
+    // The replicas' queues hold their bodies in one process's memory: a share each.
+    EXPECT_GE(replica.max_queued_body_bytes * n, 1000u) << replicas;
+    EXPECT_LT(replica.max_queued_body_bytes * n, 1000u + n) << replicas;
     EXPECT_GE(static_cast<size_t>(replica.prefill.max_in_flight) * n, 10u) << replicas;
     EXPECT_LT(static_cast<size_t>(replica.prefill.max_in_flight) * n, 10u + n) << replicas;
     EXPECT_GE(static_cast<size_t>(replica.decode.max_in_flight) * n, 256u) << replicas;
@@ -264,8 +279,10 @@ TEST(GatewayReplicas, EachTakesItsShareOfTheStacksConnectionCap) {
 TEST(GatewayReplicas, ASmallCapIsNeverDividedToTheDefault) {
   gateway::Topology replica;
   replica.max_connections = 2;
+  replica.max_queued_body_bytes = 0;  // no bound: none for each either
   share_among_gateway_replicas(replica, 4, size_t{4096});
   EXPECT_EQ(replica.max_connections, 1u);
+  EXPECT_EQ(replica.max_queued_body_bytes, 0u);
 }
 
 // Without --max-connections one gateway holds three quarters of the descriptor limit (the rest
@@ -290,6 +307,7 @@ TEST(GatewayReplicas, OneGatewayKeepsItsSettings) {
   gateway::Topology replica;
   replica.max_connections_per_address = 5;
   share_among_gateway_replicas(replica, 1, size_t{4096});
+  EXPECT_EQ(replica.max_queued_body_bytes, gateway::Topology{}.max_queued_body_bytes);
   EXPECT_EQ(replica.max_connections, 0u);
   EXPECT_EQ(replica.max_connections_per_address, 5u);
   EXPECT_EQ(replica.decode.max_in_flight, gateway::Pool{}.max_in_flight);

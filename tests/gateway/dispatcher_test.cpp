@@ -290,13 +290,12 @@ std::string completion_answer(const std::string& text) {
 class Cluster {
  public:
   // `tokenizer`: the front end tokenizes with it, as with a model folder.
-  explicit Cluster(Topology topology, const PromptTokenizer* tokenizer = nullptr,
-                   DispatcherOptions options = {})
+  explicit Cluster(Topology topology, const PromptTokenizer* tokenizer = nullptr)
       : topo(std::move(topology)),
         policy(make_policy(topo.policy, policy_options(topo))),
         metrics(registry),
         endpoints(topo, metrics, index),
-        dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr, options),
+        dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),
         health(topo, clock, engines, endpoints, [this] { dispatcher.engines_changed(); }),
         front_end(topo, clock, engines, dispatcher, endpoints, registry, tokenizer) {
     for (const auto& e : topo.prefill.endpoints) endpoints.add(true, e);
@@ -1676,14 +1675,19 @@ TEST(Dispatcher, OverloadAnswersCarryRetryAfterAndANonClientType) {
   EXPECT_EQ(timed_out->retry_after, "1");
 }
 
-// The queue is bounded in bytes too (DispatcherOptions::max_queued_body_bytes): an arrival whose
+// `t` with its queue bounded to `bytes` of request bodies (Topology::max_queued_body_bytes).
+Topology with_queued_body_bytes(Topology t, size_t bytes) {
+  t.max_queued_body_bytes = bytes;
+  return t;
+}
+
+// The queue is bounded in bytes too (Topology::max_queued_body_bytes): an arrival whose
 // body would take the waiting bodies past the bound gets 429 as at a full queue, though max_queue
 // has places; a place freed admits the next. A gateway holding many 8 MiB bodies ran out of memory.
 TEST(Dispatcher, AnArrivalPastTheQueuesByteBoundGets429) {
   const size_t body =
       json{{"model", "m"}, {"prompt", "hello there"}, {"stream", false}}.dump().size();
-  Topology t = aggregated({engine("a", 0, 1)});
-  Cluster c(t, nullptr, DispatcherOptions{2 * body});
+  Cluster c(with_queued_body_bytes(aggregated({engine("a", 0, 1)}), 2 * body));
   auto running = c.send();
   auto first = c.send(), second = c.send();
   EXPECT_EQ(c.dispatcher.waiting(), 2u);
@@ -4093,7 +4097,7 @@ TEST(Dispatcher, AFullQueueShedsTheNewestWaitingRequestOfALowerClassForAHigherOn
   EXPECT_EQ(c.clock.pending_timers(), 0u);  // the shed requests' queue timers went with them
 }
 
-// The queue's byte bound (DispatcherOptions::max_queued_body_bytes) sheds lower classes as its
+// The queue's byte bound (Topology::max_queued_body_bytes) sheds lower classes as its
 // count bound does: an interactive arrival at a queue whose batch requests hold the bytes takes the
 // place of the newest of them, and only a request that nothing may be shed for is refused. The byte
 // check came before the shedding and refused any arrival, whatever its class.
@@ -4108,7 +4112,7 @@ TEST(Dispatcher, AHigherClassArrivalPastTheByteBoundShedsALowerClassRequest) {
     per_request = probe.dispatcher.queued_body_bytes();
   }
   ASSERT_GT(per_request, 0u);
-  Cluster c(t, nullptr, DispatcherOptions{2 * per_request});
+  Cluster c(with_queued_body_bytes(t, 2 * per_request));
   auto running = c.send_body(body, "k-batch");
   auto older = c.send_body(body, "k-batch");
   auto newer = c.send_body(body, "k-batch");
@@ -4135,7 +4139,7 @@ TEST(Dispatcher, AHigherClassArrivalPastTheByteBoundShedsALowerClassRequest) {
 
 // A waiting request whose client leaves gives its bytes back to the queue's byte bound.
 TEST(Dispatcher, AWaitingRequestWhoseClientLeavesGivesItsBodyBytesBack) {
-  Cluster c(aggregated({engine("a", 0, 1)}), nullptr, DispatcherOptions{size_t{1} << 20});
+  Cluster c(with_queued_body_bytes(aggregated({engine("a", 0, 1)}), size_t{1} << 20));
   auto running = c.send();
   auto waiting = c.send();
   EXPECT_GT(c.dispatcher.queued_body_bytes(), 0u);

@@ -408,6 +408,89 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
   EXPECT_GT(m.limit_of("loading"), 0);
 }
 
+// The lines of an engine that joined and failed its first probe say what happened and what the
+// gateway does next, never that it was ejected: it took no request, so there is no failure to
+// look for. How the probe failed is said (refused, an HTTP status, no answer in time); a later
+// failed probe says nothing more; the probe that passes says how many failed before it; a model
+// list naming another model leaves it not admitted, and no ejection is counted for it.
+TEST(HealthMonitor, TheLinesOfAJoiningEngineWhoseFirstProbeFailedSayItIsNotAdmitted) {
+  Monitor m(one_engine(Dialect::kVllm));
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "vllm"));
+  m.endpoints.add(false, engine("loading"));
+  m.endpoints.add(false, engine("silent"));
+  m.clock.run_ready();
+
+  ::testing::internal::CaptureStderr();
+  const auto probes = m.engines.open("loading.engines", "/health");
+  ASSERT_EQ(probes.size(), 1u);
+  Engines::end(*probes[0], "connect: Connection refused");
+  m.clock.run_ready();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem gateway: engine loading (loading.engines:8000) not admitted: its first health "
+            "probe failed (connect: Connection refused); it takes no requests until a later probe "
+            "passes (one every 2000 ms) and its model list has been asked\n");
+
+  ::testing::internal::CaptureStderr();
+  m.clock.advance_by(m.topo.health.probe_timeout);  // silent's probe is cut
+  m.clock.run_ready();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem gateway: engine silent (silent.engines:8000) not admitted: its first health "
+            "probe failed (no answer within health.probe_timeout_ms, 500 ms); it takes no "
+            "requests until a later probe passes (one every 2000 ms) and its model list has been "
+            "asked\n");
+
+  // Its second failure reaches failures_to_eject (2): still not admitted, nothing more said.
+  ::testing::internal::CaptureStderr();
+  m.clock.advance_by(m.topo.health.probe_interval - m.topo.health.probe_timeout);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+
+  ::testing::internal::CaptureStderr();
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/v1/models", 200, list_of("other", "vllm")));
+  m.clock.run_ready();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem gateway: engine loading (loading.engines:8000) passed a health probe after 2 "
+            "failed probes; its model list is asked before it takes requests\n"
+            "tandem gateway: engine loading (loading.engines:8000) not admitted: its GET "
+            "/v1/models lists 'other', not the gateway's served_model_name 'm' (each request "
+            "would be refused as for an unknown model)\n");
+  EXPECT_FALSE(m.state("loading").healthy);
+  EXPECT_EQ(m.state("loading").ejections_total->value(), 0u);
+}
+
+// The 503 a client gets when no engine can serve counts an engine that joined and failed its
+// probe apart from the ejected ones: it is new and failed no request, and "ejected after failing
+// requests or health checks" sent an operator looking for a failing engine.
+TEST(HealthMonitor, TheNoEngineAnswerCountsAJoiningEngineThatFailedItsProbeAsNotAdmitted) {
+  Monitor m(one_engine(Dialect::kVllm));
+  m.health.start();
+  m.clock.run_ready();
+  m.endpoints.add(false, engine("loading"));
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  EXPECT_EQ(m.endpoints.pools_state({false}, m.clock.now()),
+            "decode pool: 2 engines, 1 not admitted yet (new, its health probe failed; probed "
+            "each interval), 1 over the policy's load limits (queued prefill work or free KV)");
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));  // a's second: ejected
+  m.clock.run_ready();
+  EXPECT_EQ(m.choice().kind, Choice::Kind::kNoneEligible);  // the dispatcher's 503
+  EXPECT_EQ(m.endpoints.pools_state({false}, m.clock.now()),
+            "decode pool: 2 engines, 1 ejected after failing requests or health checks, 1 not "
+            "admitted yet (new, its health probe failed; probed each interval)");
+}
+
 // A reload that changes a pool's max_in_flight replaces each of its engines: one at the name and
 // address of an engine that passed its checks is not held again, while a new engine is.
 TEST(HealthMonitor, AnEngineAReloadReplacesWithNewSettingsIsNotHeldAgain) {

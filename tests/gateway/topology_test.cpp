@@ -226,6 +226,7 @@ TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
   EXPECT_EQ(t.admin_api_key, "");
   EXPECT_EQ(t.metrics_api_key, "");
   EXPECT_EQ(t.max_queue, defaults.max_queue);
+  EXPECT_EQ(t.max_queued_body_bytes, size_t{1} << 30);
   EXPECT_EQ(t.prefill_retries, defaults.prefill_retries);
   EXPECT_EQ(t.shutdown_timeout, defaults.shutdown_timeout);
   EXPECT_EQ(t.access_log, "");
@@ -586,6 +587,23 @@ TEST(TopologyYaml, MaxBodyTimeIsADurationInMillisecondsCheckedNamingTheKey) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("listen.max_body_time_ms: " + range + "0"));
   }
+}
+
+// The queue's byte bound beside max_queue (DispatcherOptions had it, and nothing set it): a whole
+// number of bytes, 0 for no bound; anything else refused naming the key.
+TEST(TopologyYaml, TheQueuesByteBoundIsAWholeNumberOfBytesOrZero) {
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("max_queued_body_bytes: 65536\n"), "t.yaml")
+                .max_queued_body_bytes,
+            65536u);
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("max_queued_body_bytes: 0\n"), "t.yaml")
+                .max_queued_body_bytes,
+            0u);
+  const std::string expected =
+      "t.yaml: max_queued_body_bytes: expected a size in bytes >= 0 (0: no bound), got ";
+  for (const std::string value : {"-1", "1GiB", "1.5", "99999999999999999999", "[1]"})
+    EXPECT_THAT(yaml_error(parallel_yaml("max_queued_body_bytes: " + value + "\n")),
+                HasSubstr(expected))
+        << value;
 }
 
 // The two byte limits on what the gateway holds for one client: whole numbers of bytes from 1

@@ -1047,8 +1047,10 @@ TEST(ClusterSimulation,
     on_prefill_0 += lines["sim-" + std::to_string(i)]["prefill"] == "prefill-0";
   EXPECT_EQ(on_prefill_0, 2);
   for (const auto& e : run.engines) {
-    EXPECT_TRUE(e.healthy) << e.name;
+    EXPECT_TRUE(e.healthy) << e.name;  // prefill-0 readmitted
     EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+    // prefill-0 by its probes, once (B did not wait for its wake); no other engine.
+    EXPECT_EQ(e.ejections, e.name == "prefill-0" ? 1 : 0) << e.name;
   }
 }
 
