@@ -73,10 +73,16 @@ bool is_client_error(int status) {
   return status >= 400 && status < 500 && status != 429;
 }
 
-// What a waiting request holds of bodies (DispatcherOptions::max_queued_body_bytes): set before
-// it reaches the scheduler, then read-only.
-size_t body_bytes(const Request& r) {
-  return r.body.size() + r.prefill_body.size();
+// What a waiting request holds of bodies (Topology::max_queued_body_bytes): those set before it
+// reached the scheduler, and a sequential decode stage's decode body (body plus the prefill's
+// kv_transfer_params), which it holds while it waits as well.
+size_t body_bytes(Request& r) {
+  size_t bytes = r.body.size() + r.prefill_body.size();
+  if (r.stage == Stage::kDecode) {
+    std::lock_guard lock(r.mutex);
+    bytes += r.decode_body.size();
+  }
+  return bytes;
 }
 
 // Whether `group` has eligible decode engines in `v` and every one is at its in-flight limit: no
@@ -198,12 +204,18 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
   // bound by single requests full every time, and starved. Retries and decode stages rejoin the
   // queue past its bound (they are no arrivals).
   const size_t to_free = waiting_.size() < max ? 0 : waiting_.size() - max + 1;
-  // The byte bound holds unless nothing waits: freeing every waiting body admits any arrival.
+  // The byte bound holds unless nothing waits. An arrival larger than the bound by itself fits only
+  // then: refused at once, it takes no lower class's place (shedding them all would not admit it
+  // while anything unsheddable waits, and would empty the queue of them for one request when not).
   const size_t max_bytes = topo_.max_queued_body_bytes;
+  if (max_bytes > 0 && arriving_bytes > max_bytes && !waiting_.empty())
+    return "the gateway queue is full: this request's bodies (" + std::to_string(arriving_bytes) +
+           " bytes) exceed max_queued_body_bytes " + std::to_string(max_bytes) +
+           ", which admits so large a request only while nothing waits; retry later";
   const size_t bytes_to_free =
-      max_bytes == 0 || queued_body_bytes_ + arriving_bytes <= max_bytes
+      max_bytes == 0 || waiting_.empty() || queued_body_bytes_ + arriving_bytes <= max_bytes
           ? 0
-          : std::min(queued_body_bytes_ + arriving_bytes - max_bytes, queued_body_bytes_);
+          : queued_body_bytes_ + arriving_bytes - max_bytes;
   if (to_free == 0 && bytes_to_free == 0) return {};
   const std::string full =
       to_free > 0
@@ -236,7 +248,7 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
   for (size_t i = waiting_.size(); i-- > 0;) {
     Request& r = *waiting_[i];
     if (!sheddable(r)) continue;
-    size_t places = 1, bytes = body_bytes(r);
+    size_t places = 1, bytes = r.queued_bytes;
     if (r.submitted_with) {
       if (!groups_seen.insert(r.submitted_with.get()).second) continue;
       bytes = 0;
@@ -244,7 +256,7 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
           std::all_of(r.submitted_with->begin(), r.submitted_with->end(), [&](const auto& weak) {
             const RequestPtr choice = weak.lock();
             if (!choice || !sheddable(*choice)) return false;
-            bytes += body_bytes(*choice);
+            bytes += choice->queued_bytes;
             return true;
           });
       if (!whole) continue;
@@ -302,7 +314,8 @@ void Dispatcher::enqueue(const RequestPtr& r, bool front) {
     waiting_.push_front(r);
   else
     waiting_.push_back(r);
-  queued_body_bytes_ += body_bytes(*r);
+  r->queued_bytes = body_bytes(*r);
+  queued_body_bytes_ += r->queued_bytes;
   publish_counts();
   // Its queue timeout is armed by dispatch() if it is still waiting after the pass that
   // follows: most requests start at once, and a timer armed and cancelled per request costs.
@@ -347,7 +360,7 @@ std::string Dispatcher::pools_state(const Request& r) const {
 
 void Dispatcher::remove_waiting(const RequestPtr& r) {
   const auto gone = std::remove(waiting_.begin(), waiting_.end(), r);
-  if (gone != waiting_.end()) queued_body_bytes_ -= body_bytes(*r);
+  if (gone != waiting_.end()) queued_body_bytes_ -= std::exchange(r->queued_bytes, 0);
   waiting_.erase(gone, waiting_.end());
   r->booking = Booking::kRunning;
   exec_.cancel(r->queue_timer);

@@ -57,7 +57,8 @@ class Dispatcher {
   // and the rest refused. A group of n overshoots max_queue by at most n - 1; one larger than
   // max_queue is the client's error (400). Past Topology::max_queued_body_bytes an
   // arrival is refused (429) as at a full queue, unless shedding lower classes' requests frees the
-  // bytes (make_room). Requests already ended are skipped.
+  // bytes (make_room); one whose bodies alone are past it, while anything waits, sheds none.
+  // Requests already ended are skipped.
   void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
@@ -172,7 +173,8 @@ class Dispatcher {
   // needs one free place in the queue and room for its bytes (max_queued_body_bytes): where either
   // lacks, the newest waiting requests of the lowest classes ranking below it that were never sent
   // to an engine are shed until both fit, a group (Request::submitted_with) whole, each answered
-  // 429. Empty when the arrival may join; else the 429's text.
+  // 429; an arrival larger than max_queued_body_bytes by itself sheds none (it fits only an empty
+  // queue). Empty when the arrival may join; else the 429's text.
   std::string make_room(int arriving_class, size_t arriving_bytes);
   void remove_waiting(const RequestPtr& r);
   // vllm:num_requests_waiting and vllm:num_requests_running (the active ones not waiting).

@@ -183,6 +183,9 @@ struct Request {
   Executor::TimerId queue_timer;  // cancelled when it leaves the queue
   bool record_pending = false;    // ended; its record waits for its prefill leg (parallel mode)
   Executor::Clock::time_point queued_at;
+  // What it adds to the queue's bytes of bodies while it waits (Dispatcher::enqueue), given back
+  // as it leaves: a decode stage holds its decode body too.
+  size_t queued_bytes = 0;
   // Sequential mode: when the prefill answered, from which its engine holds the prompt's KV for
   // the decode stage (only so long: Timeouts::decode_queue).
   Executor::Clock::time_point kv_held_since;

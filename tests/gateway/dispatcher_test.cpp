@@ -4152,6 +4152,73 @@ TEST(Dispatcher, AWaitingRequestWhoseClientLeavesGivesItsBodyBytesBack) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// An arrival whose body alone is larger than the queue's byte bound fits only an empty queue: while
+// anything waits it is refused at once (the full queue's 429, naming the bound), and sheds no lower
+// class's request. It shed every waiting batch request to be admitted alone.
+TEST(Dispatcher, AnArrivalLargerThanTheByteBoundByItselfIsRefusedAtOnceSheddingNone) {
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  const json large = {{"model", "m"}, {"prompt", std::string(4096, 'x')}};
+  Cluster c(with_queued_body_bytes(with_classes(aggregated({engine("a", 0, 1)})), 2048));
+  auto running = c.send_body(body, "k-batch");
+  auto older = c.send_body(body, "k-batch");
+  auto newer = c.send_body(body, "k-batch");
+  ASSERT_EQ(c.dispatcher.waiting(), 2u);
+  const size_t queued = c.dispatcher.queued_body_bytes();
+  auto chat = c.send_body(large, "k-chat");
+  EXPECT_EQ(chat->status, 429);
+  EXPECT_EQ(chat->retry_after, "1");
+  EXPECT_EQ(chat->error_code, "rate_limit_exceeded");
+  EXPECT_NE(chat->error_message.find("max_queued_body_bytes 2048"), std::string::npos)
+      << chat->error_message;
+  EXPECT_FALSE(older->complete());
+  EXPECT_FALSE(newer->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 2u);
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), queued);
+  // Where nothing waits it is served, as before.
+  for (int i = 0; i < 3; ++i) c.answer_all();
+  ASSERT_EQ(c.dispatcher.active(), 0u);
+  auto alone = c.send_body(large, "k-chat");
+  c.answer_all();
+  EXPECT_EQ(alone->status, 200);
+  EXPECT_EQ(older->status, 200);
+  EXPECT_EQ(newer->status, 200);
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), 0u);
+}
+
+// A sequential decode stage waiting in the queue holds its decode body (the body plus the
+// prefill's kv_transfer_params) besides the bodies it came with: the byte bound counts it. Only
+// the bodies it came with were counted.
+TEST(Dispatcher, ASequentialDecodeStageWaitingCountsItsDecodeBodyTowardTheByteBound) {
+  Cluster c(
+      disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1), engine("gone", 0, 1)}));
+  // Both prompts are prefilled while two decode engines have room; one of them is then drained,
+  // and the first decode leg fills the other.
+  auto running = c.send();
+  auto waiting = c.send();
+  auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), 2u);
+  const size_t prefill_body = prefills[1]->request.body.size();
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("gone", nullptr));
+  FakeEngines::answer(*prefills[0], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+  c.clock.run_ready();
+  FakeEngines::answer(*prefills[1], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+  c.clock.run_ready();
+  ASSERT_EQ(c.dispatcher.waiting(), 1u);
+  const size_t queued = c.dispatcher.queued_body_bytes();
+  auto first_decode = c.engines.open("/v1/completions").at(0);
+  FakeEngines::answer(*first_decode, 200, completion_answer("one"));
+  c.clock.run_ready();
+  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(c.dispatcher.queued_body_bytes(), 0u);
+  auto second_decode = c.engines.open("/v1/completions").at(0);
+  // Its prefill and decode legs' bodies (and its client's body besides) waited with it.
+  EXPECT_GE(queued, prefill_body + second_decode->request.body.size());
+  FakeEngines::answer(*second_decode, 200, completion_answer("two"));
+  c.clock.run_ready();
+  EXPECT_EQ(waiting->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A group (n > 1, a prompt list: one request per choice, ChoiceMerger) is shed whole or not at
 // all: a higher class's arrival sheds every choice of a lower-class group none of whose choices was
 // sent to an engine, its client gets one 429, and the queue stays within max_queue. Groups neither
