@@ -33,6 +33,29 @@ class LayoutOnly final : public engine::Executor {
   engine::ExecutorInfo info_;
 };
 
+// The prefill engine the tests reach, at prefill-host:1, with its transfer timeout.
+engine::KvTransferConfig prefill_config(double timeout_s) {
+  engine::KvTransferConfig p;
+  p.engine_id = "prefill";
+  p.port = 1;
+  p.advertise_host = "prefill-host";
+  p.timeout_s = timeout_s;
+  return p;
+}
+
+// A pull of `transfer_id` from that engine, of a `tokens`-token prompt of hash 1234.
+engine::KvFetch pull_of(const std::string& transfer_id, int64_t tokens) {
+  engine::KvFetch f;
+  f.request_id = "pulled";
+  f.host = "prefill-host";
+  f.port = 1;
+  f.engine_id = "prefill";
+  f.transfer_id = transfer_id;
+  f.prompt_hash = 1234;
+  f.prompt_tokens = f.num_tokens = tokens;
+  return f;
+}
+
 struct RoomEnd {
   std::optional<bool> ok;
   std::string error;
@@ -49,18 +72,18 @@ struct FetchEnd {
 class VirtualKvLinks : public ::testing::Test {
  protected:
   VirtualKvLinks() {
-    engine::KvTransferConfig p;
-    p.engine_id = "prefill";
-    p.port = 1;
-    p.advertise_host = "prefill-host";
-    p.timeout_s = 30;
-    prefill_ = net_.make(p, executor_, post(), now(), [] {});
+    make_prefill(30);
     engine::KvTransferConfig d;
     d.engine_id = "decode";
     d.timeout_s = 30;
     decode_ = net_.make(d, executor_, post(), now(), [] {});
   }
 
+  // The prefill engine, one of this timeout from now on, at the same address.
+  void make_prefill(double timeout_s) {
+    prefill_.reset();  // first: its end takes its address out of the network
+    prefill_ = net_.make(prefill_config(timeout_s), executor_, post(), now(), [] {});
+  }
   KvTransfers::Post post() {
     return [this](KvTransfers::Task t) { engine_tasks_.push_back(std::move(t)); };
   }
@@ -181,16 +204,8 @@ TEST_F(VirtualKvLinks, APullOfAnExpiredTransferSaysItsKvIsGone) {
   clock_.advance_to(clock_.now() + duration_of(31));  // past the 30 s timeout
   settle();
   ASSERT_TRUE(released);
-  engine::KvFetch f;
-  f.request_id = "r";
-  f.host = "prefill-host";
-  f.port = 1;
-  f.engine_id = "prefill";
-  f.transfer_id = id;
+  engine::KvFetch f = pull_of(id, 8);
   f.remote_blocks = {0, 1};
-  f.prompt_hash = 1234;
-  f.prompt_tokens = 8;
-  f.num_tokens = 8;
   f.local_blocks = {0, 1};
   std::optional<engine::KvFetchResult> result;
   decode_->fetch(f, [&](const engine::KvFetchResult& r) { result = r; });
@@ -472,13 +487,7 @@ TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheDecodeGaveUpIsRefusedAtOnce) {
 // that prompt arriving later is refused at once, as abandoned, instead of computing its prompt
 // and then waiting out the timeout for a decode leg that has been told to go.
 TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheShorterPrefillTimeoutPassedIsRefusedAtOnce) {
-  prefill_.reset();  // a prefill engine of a 10 s timeout, at the same address
-  engine::KvTransferConfig p;
-  p.engine_id = "prefill";
-  p.port = 1;
-  p.advertise_host = "prefill-host";
-  p.timeout_s = 10;
-  prefill_ = net_.make(p, executor_, post(), now(), [] {});
+  make_prefill(10);
   FetchEnd fetched;
   decode_->fetch(registration(), fetch_end(fetched));
   run_until(12);
@@ -571,13 +580,7 @@ TEST_F(VirtualKvLinksSlowRoom, OverlappingStallsOfBothEnginesHoldTheTransferForT
 // was measured from the planned end (3.5001 s to 4.5 s: not over the timeout), and the transfer
 // ended at 4.4001 s, inside the stall (moved on from the wake known at its planned end, 3.9 s).
 TEST_F(VirtualKvLinksSlowRoom, AStallExtendedPastTheTimeoutAfterThePlannedEndFailsTheTransfer) {
-  prefill_.reset();  // a prefill engine of a 1 s timeout, at the same address
-  engine::KvTransferConfig p;
-  p.engine_id = "prefill";
-  p.port = 1;
-  p.advertise_host = "prefill-host";
-  p.timeout_s = 1;
-  prefill_ = net_.make(p, executor_, post(), now(), [] {});
+  make_prefill(1);
   RoomEnd room;
   FetchEnd fetched;
   begin(room, fetched);
@@ -598,15 +601,7 @@ TEST_F(VirtualKvLinksSlowRoom, AStallExtendedPastTheTimeoutAfterThePlannedEndFai
 TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   const int64_t tokens = int64_t{1} << 45;  // 16 bytes each: 10^10 s at 25 GB/s slowed 10^6 x
   net_.slow("prefill", 1e6);
-  const std::string held = prefill_->hold({}, 1234, tokens, [] {});
-  engine::KvFetch pull;
-  pull.request_id = "pulled";
-  pull.host = "prefill-host";
-  pull.port = 1;
-  pull.engine_id = "prefill";
-  pull.transfer_id = held;
-  pull.prompt_hash = 1234;
-  pull.prompt_tokens = pull.num_tokens = tokens;
+  const engine::KvFetch pull = pull_of(prefill_->hold({}, 1234, tokens, [] {}), tokens);
   std::optional<engine::KvFetchResult> pulled;
   decode_->fetch(pull, [&](const engine::KvFetchResult& r) { pulled = r; });
   ASSERT_NO_THROW(settle());
@@ -640,16 +635,9 @@ TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
 // prefill's fault, so that the gateway retries the request on another prefill engine; a room
 // registered over TCP without a secret waits in the socket for the prefill's compute, up to the
 // transfer timeout. The two engines share a host. Instants are the virtual clock's.
-class VirtualKvLinksStalledPrefill : public ::testing::Test {
+class VirtualKvLinksStalledPrefill : public VirtualKvLinks {
  protected:
-  void SetUp() override {
-    engine::KvTransferConfig p;
-    p.engine_id = "prefill";
-    p.port = 1;
-    p.advertise_host = "prefill-host";
-    p.timeout_s = 120;
-    prefill_ = net_.make(p, executor_, post(), now(), [] {});
-  }
+  VirtualKvLinksStalledPrefill() { make_prefill(120); }
   void make_decode(engine::KvTransportKind transport) {
     decode_.reset();  // one decode engine of that id at a time
     engine::KvTransferConfig d;
@@ -660,51 +648,14 @@ class VirtualKvLinksStalledPrefill : public ::testing::Test {
     d.advertise_host = "prefill-host";  // one host: shared memory is used where asked for
     decode_ = net_.make(d, executor_, post(), now(), [] {});
   }
-  KvTransfers::Post post() {
-    return [this](KvTransfers::Task t) { engine_tasks_.push_back(std::move(t)); };
-  }
-  std::function<double()> now() {
-    return [this] { return seconds_of(clock_.now()); };
-  }
+  // Room 7's registration, or a pull of its prompt's KV, held now.
   engine::KvFetch request(bool pull) {
-    engine::KvFetch f;
-    f.request_id = pull ? "pulled" : "registered";
-    f.pull = pull;
-    f.host = "prefill-host";
-    f.port = 1;
-    f.engine_id = "prefill";
-    f.transfer_id = pull ? prefill_->hold({1, 2}, 1234, 8, [] {}) : "";
+    if (!pull) return registration();
+    engine::KvFetch f = pull_of(prefill_->hold({1, 2}, 1234, 8, [] {}), 8);
     f.room = 7;
-    f.prompt_hash = 1234;
-    f.prompt_tokens = f.num_tokens = 8;
     f.local_blocks = {0, 1};
     return f;
   }
-  // Runs the links timer by timer up to `until_s` after the test began, and what they post to the
-  // engines at once.
-  void run_until(double until_s) {
-    until_s += start_s_;
-    gateway::Executor::Clock::time_point next;
-    for (;;) {
-      for (size_t i = 0; i < engine_tasks_.size(); ++i) engine_tasks_[i]();
-      engine_tasks_.clear();
-      if (!clock_.next_timer(&next) || next > time_at(until_s)) break;
-      clock_.advance_to(next);
-    }
-  }
-  std::function<void(const engine::KvFetchResult&)> ends(FetchEnd& end) {
-    return [this, &end](const engine::KvFetchResult& r) {
-      end.result = r;
-      end.at_s = seconds_of(clock_.now()) - start_s_;
-    };
-  }
-
-  gateway::VirtualExecutor clock_;
-  const double start_s_ = seconds_of(clock_.now());  // the instants below count from it
-  VirtualKvNetwork net_{clock_, KvLinkModel{}};
-  LayoutOnly executor_;
-  std::vector<KvTransfers::Task> engine_tasks_;
-  std::unique_ptr<KvTransfers> prefill_, decode_;
 };
 
 TEST_F(VirtualKvLinksStalledPrefill, APullFailsAtTheHandshakeTimeoutAsThePrefillsFault) {
@@ -714,7 +665,7 @@ TEST_F(VirtualKvLinksStalledPrefill, APullFailsAtTheHandshakeTimeoutAsThePrefill
     const double start_s = seconds_of(clock_.now()) - start_s_;
     net_.stall("prefill", clock_.now() + duration_of(30));
     FetchEnd end;
-    decode_->fetch(request(true), ends(end));
+    decode_->fetch(request(true), fetch_end(end));
     run_until(start_s + 60);
     ASSERT_TRUE(end.result.has_value());
     EXPECT_FALSE(end.result->ok);
@@ -730,7 +681,7 @@ TEST_F(VirtualKvLinksStalledPrefill, ARoomOverSharedMemoryFailsAtTheHandshakeTim
   make_decode(engine::KvTransportKind::kShm);  // the hello needs the prefill's answer
   net_.stall("prefill", clock_.now() + duration_of(30));
   FetchEnd end;
-  decode_->fetch(request(false), ends(end));
+  decode_->fetch(request(false), fetch_end(end));
   run_until(60);
   ASSERT_TRUE(end.result.has_value());
   EXPECT_FALSE(end.result->ok);
@@ -742,7 +693,7 @@ TEST_F(VirtualKvLinksStalledPrefill, ARoomOverTcpWaitsForTheWakeWithinTheTransfe
   make_decode(engine::KvTransportKind::kTcp);  // the register waits in the socket
   net_.stall("prefill", clock_.now() + duration_of(30));
   FetchEnd end;
-  decode_->fetch(request(false), ends(end));
+  decode_->fetch(request(false), fetch_end(end));
   run_until(29);
   EXPECT_FALSE(end.result.has_value());
   run_until(31);  // awake: the room has its decode leg, which the prefill leg then feeds
@@ -765,7 +716,7 @@ TEST_F(VirtualKvLinksStalledPrefill, ARoomOverTcpFailsAtTheTransferTimeoutIfTheP
   make_decode(engine::KvTransportKind::kTcp);
   net_.stall("prefill", clock_.now() + duration_of(200));
   FetchEnd end;
-  decode_->fetch(request(false), ends(end));
+  decode_->fetch(request(false), fetch_end(end));
   run_until(300);
   ASSERT_TRUE(end.result.has_value());
   EXPECT_FALSE(end.result->ok);
@@ -808,12 +759,7 @@ TEST(VirtualKvLinksStalled, ARequestForAStalledEnginesKvIsServedWhenTheStallEnds
   std::vector<KvTransfers::Task> tasks;
   auto post = [&](KvTransfers::Task t) { tasks.push_back(std::move(t)); };
   auto now = [&] { return seconds_of(clock.now()); };
-  engine::KvTransferConfig p;
-  p.engine_id = "prefill";
-  p.port = 1;
-  p.advertise_host = "prefill-host";
-  p.timeout_s = 1000;
-  const auto prefill = net.make(p, executor, post, now, [] {});
+  const auto prefill = net.make(prefill_config(1000), executor, post, now, [] {});
   engine::KvTransferConfig d;
   d.engine_id = "decode";
   d.handshake_timeout_s = 1000;  // a pull waits for the wake, as a live engine's would then
@@ -821,14 +767,7 @@ TEST(VirtualKvLinksStalled, ARequestForAStalledEnginesKvIsServedWhenTheStallEnds
 
   const auto start = clock.now();
   net.stall("prefill", start + duration_of(496.4));
-  engine::KvFetch pull;
-  pull.request_id = "pulled";
-  pull.host = "prefill-host";
-  pull.port = 1;
-  pull.engine_id = "prefill";
-  pull.transfer_id = prefill->hold({1, 2}, 1234, 11, [] {});
-  pull.prompt_hash = 1234;
-  pull.prompt_tokens = pull.num_tokens = 11;
+  const engine::KvFetch pull = pull_of(prefill->hold({1, 2}, 1234, 11, [] {}), 11);
   std::optional<engine::KvFetchResult> pulled;
   decode->fetch(pull, [&](const engine::KvFetchResult& r) { pulled = r; });
   clock.advance_by(duration_of(497));
