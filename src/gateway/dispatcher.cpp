@@ -801,11 +801,14 @@ void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, i
                             std::string body, std::string message, Blame blame,
                             std::string retry_after) {
   // Parallel mode: the client's error or the engine's refusal decides the attempt (the first leg
-  // to tell it, but the client's error over a refusal), marked before either report is handled.
+  // to tell it, but the client's error over a refusal), marked before either report is handled;
+  // not once its other leg's report was handled (attempt_failed), which cut this leg: an answer
+  // that crossed the cut would make its pair's failure no failure of its engine's.
   if (topo_.mode == PdMode::kParallel && ((status >= 400 && status < 500) || status == 503)) {
     const bool client_error = is_client_error(status);
     std::lock_guard lock(r->mutex);
-    if (r->decided_attempt != attempt || (client_error && !r->decided_by_client_error)) {
+    if (r->handled_attempt != attempt &&
+        (r->decided_attempt != attempt || (client_error && !r->decided_by_client_error))) {
       r->decided_attempt = attempt;
       r->decided_by = endpoint_id;
       r->decided_by_client_error = client_error;
@@ -893,6 +896,7 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // gets its error with no retry (over its pair's refusal too), or the refusal is retried as
     // one (its backoff, its Retry-After).
     if (r->decided_attempt == attempt && r->decided_by != endpoint_id) return;
+    r->handled_attempt = attempt;
     calls = mark_legs_cancelled(*r);
   }
   cancel_calls(calls);
@@ -932,6 +936,9 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
     if (blame != Blame::kNoEngineKvGone)
       r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
+    const bool refused = status == 429 || status == 503;
+    if (refused && !prefill_failed && blame != Blame::kNoEngineKvGone)
+      r->refused_by.push_back(endpoint_id);
     // The same KV for another decode engine (waiting to decode again), or the request from its
     // start (which sets no decode room aside until it is prefilled again): a decode leg that
     // reached its engine may have taken the KV, which then is that engine's to hold or free.
@@ -952,7 +959,7 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // not refused or failed the request goes back to one of those (the policies fall back to
     // them): at once, it would meet the same full queue. It waits the topology's retry_backoff
     // first, longer at each such retry (counted from 1, as the busy retries: before(1) first).
-    if ((status == 429 || status == 503) && only_tried_engines_left(*r, endpoint_id)) {
+    if (refused && only_tried_engines_left(*r, endpoint_id)) {
       enqueue_at(r,
                  exec_.now() + topo_.retry_backoff.jittered(++r->refusal_backoffs, random_u64()));
       return;
@@ -1015,18 +1022,27 @@ bool Dispatcher::only_tried_engines_left(const Request& r, int endpoint_id) cons
   const std::set<int> decoding = endpoints_.decoding_groups();
   const int group =
       topo_.mode == PdMode::kSequential && r.stage == Stage::kDecode ? r.prefill_group : -1;
-  auto all_tried = [&](bool prefill) {
-    for (const auto& [id, e] : endpoints_.all())
-      if (e.prefill == prefill && EndpointTable::can_serve(e, decoding) &&
-          (group < 0 || e.config.group == group) &&
-          std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end())
-        return false;
-    return true;
+  // A pool whose engines were all tried sends the retry back to one of them, maybe to a queue still
+  // full where one of them refused it; one whose engines only failed it has no full queue to wait
+  // for (a failure is no refusal: a parallel pair's prefill engine that failed the first attempt,
+  // behind a decode engine that refused the second).
+  auto all_tried_one_refused = [&](bool prefill) {
+    bool refused_here = false;
+    for (const auto& [id, e] : endpoints_.all()) {
+      if (e.prefill != prefill || !EndpointTable::can_serve(e, decoding) ||
+          (group >= 0 && e.config.group != group))
+        continue;
+      if (std::find(r.excluded.begin(), r.excluded.end(), id) == r.excluded.end()) return false;
+      if (std::find(r.refused_by.begin(), r.refused_by.end(), id) != r.refused_by.end())
+        refused_here = true;
+    }
+    return refused_here;
   };
   // A parallel retry is a pair: it goes back to an engine tried where either pool has no other,
   // whichever of the two refused (a decode engine still full, behind a fresh prefill engine).
-  if (topo_.mode == PdMode::kParallel) return all_tried(true) || all_tried(false);
-  return all_tried(refused->prefill);
+  if (topo_.mode == PdMode::kParallel)
+    return all_tried_one_refused(true) || all_tried_one_refused(false);
+  return all_tried_one_refused(refused->prefill);
 }
 
 void Dispatcher::enqueue_at(const RequestPtr& r, Clock::time_point due) {

@@ -198,7 +198,8 @@ class Dispatcher {
   // Whether every engine of the pool of `endpoint_id` (prefill or decode; in parallel mode, of
   // either pool, its retry being a pair) that the policy could pick for `r` (one that can serve;
   // of its prefill's group for a sequential decode stage) refused or failed it already
-  // (Request::excluded): a retry can only go back to one of them.
+  // (Request::excluded), one of them refusing it (Request::refused_by): a retry can only go back
+  // to one of them, and may meet a full queue again.
   bool only_tried_engines_left(const Request& r, int endpoint_id) const;
   // `r` joins the queue again (first in line) at `due`, unless it ended or moved on meanwhile.
   void enqueue_at(const RequestPtr& r, Clock::time_point due);

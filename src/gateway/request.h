@@ -160,6 +160,8 @@ struct Request {
   // waits longer (Topology::retry_backoff).
   int busy_retries = 0;
   std::vector<int> excluded;
+  // Of those, the engines that refused it (429, 503: full for now), as opposed to failed it.
+  std::vector<int> refused_by;
   // Of its retries, those that followed an engine's refusal (429, 503) with no engine left that had
   // not refused or failed it: each waited the topology's retry_backoff, longer each time.
   int refusal_backoffs = 0;
@@ -224,6 +226,10 @@ struct Request {
   int decided_attempt = -1;
   int decided_by = -1;
   bool decided_by_client_error = false;
+  // The attempt whose failure or refusal Dispatcher::attempt_failed acted on (retried, or
+  // answered), or -1: decided, whatever its other leg, cut by that, reports after (an answer that
+  // crossed the cut), the client's error included.
+  int handled_attempt = -1;
 
   bool ended() {
     std::lock_guard lock(mutex);

@@ -1460,6 +1460,69 @@ TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsRefusalWhicheverTellsFi
   }
 }
 
+// Parallel mode: a leg's failure handled (its attempt retried) cuts its pair; the pair's client
+// error (a 400) that crossed the cut decides nothing: the failure still counts against its engine.
+// The crossing 400 marked the attempt decided by the client's error, and the failed leg's
+// accounting, which follows its report, then counted it as no failure of its engine's.
+TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsHandledFailureChangesNothing) {
+  const std::string invalid =
+      R"({"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}})";
+  Topology t =
+      disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  ASSERT_EQ(host_of(*legs[1]), "d1");
+  c.engines.answer_crossing_cancel = invalid;  // the prefill leg's answer crosses its cut
+  c.engines.answer_crossing_cancel_status = 400;
+  FakeEngines::answer(*legs[1], 500, "boom");
+  c.clock.run_ready();
+  c.engines.answer_crossing_cancel.clear();
+  EXPECT_TRUE(legs[0]->cancelled);
+  EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 1);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_FALSE(client->complete());
+  c.answer_all();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A refusal retried where every engine of a pool was tried waits the retry backoff, lest it meet
+// the same full queue at once; an engine that failed the request (and did not refuse it) is no
+// full queue. Parallel mode, one prefill engine: p1 failed the first attempt, a decode engine
+// refused the second; the third goes at once, to p1 and the other decode engine. p1's failure
+// counted as a refusal, and the third attempt waited the backoff.
+TEST(Dispatcher, AParallelRefusalBehindAPrefillEngineThatOnlyFailedIsRetriedAtOnce) {
+  const std::string full =
+      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
+  Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("d1"), engine("d2")});
+  t.prefill_retries = 2;
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  FakeEngines::answer(*legs[0], 500, "boom");
+  c.clock.run_ready();
+  legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  const std::string refusing = host_of(*legs[1]);
+  FakeEngines::refuse(*legs[1], 503, full, "3");
+  c.clock.run_ready();
+  legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);  // no backoff: the clock did not move
+  EXPECT_EQ(host_of(*legs[0]), "p1");
+  EXPECT_NE(host_of(*legs[1]), refusing);
+  c.answer_all();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 2);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // n > 1: a choice whose stream fails after the client's stream began ends the merged stream with
 // its error event, and every choice's request is recorded as that error says: the client's 400
 // (no engine blamed), or the engine's failure, 502. The failing choice was recorded 499 (its
