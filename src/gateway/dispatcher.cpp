@@ -1376,10 +1376,13 @@ json Dispatcher::debug_requests() const {
 
 // One call, a small answer: no in-flight or load limit is weighed against it (a saturated pool
 // would refuse it while every engine is up); the least busy engine that is up takes it.
+// An engine that joined and has not passed its first check (EndpointState::unchecked) takes none,
+// as it takes no request: it may serve another model, or be loading still.
 const EndpointState* Dispatcher::models_endpoint() const {
   const EndpointState* best = nullptr;
   for (const auto& [id, e] : endpoints_.all())
-    if (!e.prefill && e.eligible() && (!best || e.in_flight < best->in_flight)) best = &e;
+    if (!e.prefill && e.eligible() && !e.unchecked && (!best || e.in_flight < best->in_flight))
+      best = &e;
   return best;
 }
 

@@ -87,7 +87,8 @@ class Dispatcher {
   // The engine of that name not being drained, or null.
   const EndpointState* endpoint_named(const std::string& name) const;
   // An engine to relay GET /v1/models, /tokenize and /detokenize to: the eligible decode engine
-  // with the fewest requests in flight, however busy (no policy limit applies), or null.
+  // with the fewest requests in flight, however busy (no policy limit applies), or null. One that
+  // joined and has not passed its first health check is none, as for requests.
   const EndpointState* models_endpoint() const;
   // Whether engines get the policy's prefill deadlines (Policy::prefill_deadline) in the field
   // `priority`, which the gateway then owns. The policy is made with policy_options(topology),

@@ -4927,6 +4927,22 @@ TEST(Dispatcher, OneOffCallsGoToAnEngineThatIsUpHoweverBusy) {
   EXPECT_EQ(c.dispatcher.models_endpoint(), nullptr);
 }
 
+// An engine that joined and has not passed its first health check takes no one-off call either,
+// as it takes no request (it may serve another model, or still be loading). The least busy
+// engine that was up took them: the new one, idle.
+TEST(Dispatcher, OneOffCallsGoToNoEngineThatHasNotPassedItsFirstCheck) {
+  Cluster c(aggregated({engine("a")}));
+  c.endpoints.check_joining_engines([](int) {});
+  auto running = c.send();  // a has a request in flight
+  ASSERT_EQ(c.dispatcher.add_endpoint(false, engine("new")), "");
+  ASSERT_EQ(c.endpoint("new")["unchecked"], true);
+  const EndpointState* e = c.dispatcher.models_endpoint();
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->config.name, "a");
+  c.answer_all();
+  EXPECT_EQ(running->status, 200);
+}
+
 // A probe is bounded as a whole, not only per piece as the HTTP client bounds it: an engine that
 // sends its head and then trickles its body (each byte within the per-piece timeout) fails its
 // probe at probe_timeout and is probed again. Its probe stayed open, and the engine was never
