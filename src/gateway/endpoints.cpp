@@ -411,9 +411,17 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now, const s
 
 void EndpointTable::readmit(EndpointState& e, Clock::time_point now) {
   e.healthy = true;
-  e.readmitted = now;
+  // The slow-start ramp is for an engine coming back from an ejection: one that joined and is
+  // admitted for the first time takes its whole limit, as the topology's engines and a joining
+  // engine whose first probe passed do (it was held, limit 0, until now).
+  if (!e.unchecked) e.readmitted = now;
+  // Whatever answered at its address before its probes failed may be gone, an engine that joined
+  // too (a process at that address still running when it was added, then restarted): entries
+  // its consumer took from it would point at a cache the new process does not hold.
   if (readmission_is_the_only_restart_signal(e))
-    forget_cached_prefixes(e, "was readmitted (it may have restarted)");
+    forget_cached_prefixes(e, e.unchecked ? "passed a health probe after failing (it may have "
+                                            "restarted since it joined)"
+                                          : "was readmitted (it may have restarted)");
   // What answers there now may be another server: an auto engine is asked again, and so is
   // every engine's longest sequence.
   if (e.dialect == Dialect::kAuto) {

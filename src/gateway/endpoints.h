@@ -65,12 +65,13 @@ struct EndpointState {
   // check is cut at health.probe_timeout, so once its probe passed this ends within that
   // timeout, whatever the list call answers (a model list that is no answer ends it too). One
   // whose first probe fails is out of routing meanwhile (not healthy), said "not admitted", not
-  // ejected.
+  // ejected; once admitted it takes its whole limit (no slow start: it is no engine coming back).
   bool unchecked = false;
   // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
   // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
   bool probe_failed = false;
-  Clock::time_point readmitted{};    // when a probe last readmitted it (its limit ramps up since)
+  // When a probe last readmitted it after an ejection (its limit ramps up since).
+  Clock::time_point readmitted{};
   Clock::time_point probe_passed{};  // when a health probe last passed
   int consecutive_failures = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
@@ -218,7 +219,8 @@ class EndpointTable {
   void update_ready();
   // Its first health check ended (EndpointState::unchecked): true when it was unchecked.
   static bool checked(EndpointState& e);
-  // Eligible again (a probe passed, or its model list names the model again).
+  // Eligible again (a probe passed, or its model list names the model again); an engine held for
+  // its first check is still held, and gets no slow start.
   void readmit(EndpointState& e, Clock::time_point now);
   // Its in-flight limit at `now`: the slow-start ramp after a readmission.
   int64_t in_flight_limit(const EndpointState& e, Clock::time_point now) const;

@@ -299,6 +299,33 @@ TEST(EngineRestartIndex, AnAutoEngineWhoseAddressNoLongerReportsHasNoCachedPrefi
   EXPECT_EQ(g.cached_tokens(g.a, ids), 0);
 }
 
+// An engine added at the name and address of one that left has none of the old one's prefixes:
+// they were its id's, and left with it. Where its first probe failed, what its consumer took
+// before (from whatever answered there, the old process still running as it joined, say) may
+// be gone with a restart: its first passing probe drops it. One whose first probe passes keeps
+// what its consumer took: nothing says the process changed.
+TEST(EngineRestartIndex, AnEngineThatJoinsAtALeftEnginesAddressHasNoneOfItsCachedPrefixes) {
+  Gateway g("tcp://127.0.0.1:1");
+  g.table.check_joining_engines([](int) {});
+  const auto ids = prompt(640);
+  g.caches(g.a, ids);
+  ASSERT_TRUE(g.table.drain(g.a));
+  const int again = g.table.add(true, engine_named("prefill-a", "tcp://127.0.0.1:1"));
+  ASSERT_NE(again, g.a);
+  EXPECT_EQ(g.cached_tokens(again, ids), 0);
+  EXPECT_EQ(g.index.num_blocks(g.a), 0);
+
+  g.caches(again, ids);
+  EXPECT_TRUE(g.table.probe_result(again, false, g.now, "connect: Connection refused"));
+  EXPECT_TRUE(g.table.probe_result(again, true, g.now));
+  EXPECT_EQ(g.cached_tokens(again, ids), 0);
+
+  const int fresh = g.table.add(true, engine_named("prefill-c", "tcp://127.0.0.1:1"));
+  g.caches(fresh, ids);
+  EXPECT_FALSE(g.table.probe_result(fresh, true, g.now));
+  EXPECT_EQ(g.cached_tokens(fresh, ids), 640);
+}
+
 std::vector<int32_t> chain_tokens(int32_t base, int n) {
   std::vector<int32_t> t;
   for (int k = 0; k < n; ++k) {

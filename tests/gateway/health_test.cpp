@@ -405,7 +405,7 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
   ASSERT_TRUE(m.engines.answer("loading.engines", "/v1/models", 200, list_of("m", "vllm")));
   m.clock.run_ready();
   EXPECT_FALSE(m.state("loading").unchecked);
-  EXPECT_GT(m.limit_of("loading"), 0);
+  EXPECT_EQ(m.limit_of("loading"), 4);  // admitted, not readmitted: no slow start
 }
 
 // The lines of an engine that joined and failed its first probe say what happened and what the
@@ -489,6 +489,44 @@ TEST(HealthMonitor, TheNoEngineAnswerCountsAJoiningEngineThatFailedItsProbeAsNot
   EXPECT_EQ(m.endpoints.pools_state({false}, m.clock.now()),
             "decode pool: 2 engines, 1 ejected after failing requests or health checks, 1 not "
             "admitted yet (new, its health probe failed; probed each interval)");
+}
+
+// Slow start is for an engine coming back from an ejection (it may have restarted, cold). An
+// engine that joined is admitted with its whole limit whether its first probe passed or failed
+// (it used to ramp up from one request after a failed first probe, and not after a passing one).
+TEST(HealthMonitor, AJoiningEngineAdmittedAfterAFailedProbeHasNoSlowStartAsAReadmittedOneHas) {
+  Topology t = one_engine(Dialect::kVllm);
+  t.health.slow_start = milliseconds(10000);
+  t.health.probe_interval = milliseconds(60000);  // no probe while the ramp is looked at
+  Monitor m(t);
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "vllm"));
+  m.endpoints.add(false, engine("loading"));
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  for (int i = 0; i < m.topo.health.failures_to_eject; ++i) {  // a is ejected meanwhile
+    m.clock.advance_by(m.topo.health.probe_interval);
+    m.clock.run_ready();
+    ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
+    ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
+    m.clock.run_ready();
+  }
+  ASSERT_FALSE(m.state("a").healthy);
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  m.checked("loading", 200, list_of("m", "vllm"));
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  EXPECT_FALSE(m.state("loading").unchecked);
+  EXPECT_EQ(m.limit_of("loading"), 4);
+  EXPECT_EQ(m.limit_of("a"), 1);  // readmitted: from one request ...
+  m.clock.advance_by(milliseconds(5000));
+  EXPECT_EQ(m.limit_of("a"), 2);  // ... to its limit over slow_start
+  m.clock.advance_by(milliseconds(5000));
+  EXPECT_EQ(m.limit_of("a"), 4);
+  EXPECT_EQ(m.limit_of("loading"), 4);
 }
 
 // A reload that changes a pool's max_in_flight replaces each of its engines: one at the name and
