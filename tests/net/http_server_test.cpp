@@ -132,6 +132,20 @@ class RawConnection {
   bool eof_ = false;
 };
 
+// A POST /x with no body, which count_posts_to_x answers "{}".
+constexpr std::string_view kPostToX = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
+
+// Sends kPostToX on `c` and reads its answer: false when the server closed `c` (refused it).
+bool post_to_x_answered(RawConnection& c) {
+  std::string got;
+  try {
+    c.send(kPostToX);
+  } catch (const std::runtime_error&) {
+    return false;  // already closed by the server
+  }
+  return c.read_until(got, "{}");
+}
+
 // What a client uploading `piece` every `every` saw: it sends until the server answers (the end of
 // an answer's head arrived), a send fails (the server answered and closed), or `count` pieces
 // went; `raw` is all the server sent, read to its close.
@@ -2125,13 +2139,12 @@ TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
   EXPECT_EQ(server.max_connections(), 2u);
-  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
   RawConnection a(server.port()), b(server.port());
   std::string got;
-  a.send(post);
+  a.send(kPostToX);
   ASSERT_TRUE(a.read_until(got, "{}"));  // both are accepted and held
   got.clear();
-  b.send(post);
+  b.send(kPostToX);
   ASSERT_TRUE(b.read_until(got, "{}"));
   for (int i = 0; i < 3; ++i) {
     RawConnection refused(server.port());
@@ -2139,7 +2152,7 @@ TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
     EXPECT_TRUE(refused.eof());
   }
   got.clear();
-  a.send(post);  // the connections it holds are still served
+  a.send(kPostToX);  // the connections it holds are still served
   EXPECT_TRUE(a.read_until(got, "{}"));
   const auto logged = log.lines();
   ASSERT_EQ(logged.size(), 1u);
@@ -2155,20 +2168,10 @@ TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
   HttpServer server(options);
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
-  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
-  auto served = [&](RawConnection& c) {
-    std::string got;
-    try {
-      c.send(post);
-    } catch (const std::runtime_error&) {
-      return false;  // already closed by the server
-    }
-    return c.read_until(got, "{}");
-  };
   // Two connections from one address that send nothing (a slowloris's) are held.
   auto a = std::make_unique<RawConnection>(server.port(), "127.0.0.1");
   RawConnection b(server.port(), "127.0.0.1");
-  ASSERT_TRUE(served(b));
+  ASSERT_TRUE(post_to_x_answered(b));
   for (int i = 0; i < 3; ++i) {
     RawConnection refused(server.port(), "127.0.0.1");
     EXPECT_EQ(refused.read_all(), "");
@@ -2176,16 +2179,16 @@ TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
   }
   // Another address is served, up to its own cap.
   RawConnection other(server.port(), "127.0.0.2");
-  EXPECT_TRUE(served(other));
+  EXPECT_TRUE(post_to_x_answered(other));
   // A connection that closes gives its address a place back.
   a.reset();
   bool readmitted = false;
   for (int i = 0; i < 200 && !readmitted; ++i) {  // the close reaches the server's loop first
     RawConnection again(server.port(), "127.0.0.1");
-    readmitted = served(again);
+    readmitted = post_to_x_answered(again);
   }
   EXPECT_TRUE(readmitted);
-  EXPECT_TRUE(served(b));
+  EXPECT_TRUE(post_to_x_answered(b));
   const auto logged = log.lines();
   ASSERT_GE(logged.size(), 1u);
   EXPECT_NE(logged[0].find("per-address connection cap reached (2 from 127.0.0.1)"),
@@ -2210,20 +2213,10 @@ TEST(HttpServer, ServersSharingAPerAddressCountHoldItsCapBetweenThem) {
     servers.push_back(std::make_unique<HttpServer>(options));
     count_posts_to_x(*servers.back(), calls);
   }
-  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
-  auto served = [&](RawConnection& c) {
-    std::string got;
-    try {
-      c.send(post);
-    } catch (const std::runtime_error&) {
-      return false;  // already closed by the server
-    }
-    return c.read_until(got, "{}");
-  };
   auto a = std::make_unique<RawConnection>(servers[0]->port(), "127.0.0.1");
-  ASSERT_TRUE(served(*a));
+  ASSERT_TRUE(post_to_x_answered(*a));
   RawConnection b(servers[1]->port(), "127.0.0.1");
-  ASSERT_TRUE(served(b));
+  ASSERT_TRUE(post_to_x_answered(b));
   // The address holds 2: a third connection is refused by either server.
   for (const auto& server : servers) {
     RawConnection refused(server->port(), "127.0.0.1");
@@ -2231,13 +2224,13 @@ TEST(HttpServer, ServersSharingAPerAddressCountHoldItsCapBetweenThem) {
     EXPECT_TRUE(refused.eof());
   }
   RawConnection other(servers[0]->port(), "127.0.0.2");
-  EXPECT_TRUE(served(other));
+  EXPECT_TRUE(post_to_x_answered(other));
   // A connection closed on one server gives the address a place on the other.
   a.reset();
   bool readmitted = false;
   for (int i = 0; i < 200 && !readmitted; ++i) {  // the close reaches the server's loop first
     RawConnection again(servers[1]->port(), "127.0.0.1");
-    readmitted = served(again);
+    readmitted = post_to_x_answered(again);
   }
   EXPECT_TRUE(readmitted);
 }
@@ -2254,12 +2247,11 @@ TEST(HttpServer, ASharedPerAddressCountOfZeroLimitsNoAddress) {
   HttpServer server(options);
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
-  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
   std::vector<std::unique_ptr<RawConnection>> held;
   for (const char* address : {"127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.2"}) {
     held.push_back(std::make_unique<RawConnection>(server.port(), address));
     std::string got;
-    held.back()->send(post);
+    held.back()->send(kPostToX);
     EXPECT_TRUE(held.back()->read_until(got, "{}")) << address;
   }
   EXPECT_EQ(calls.load(), 4);
