@@ -114,6 +114,15 @@ class ReleaseNetwork {
     std::unique_lock lock(mutex_);
     return changed_.wait_for(lock, kHangGuard, [&] { return done(received_); });
   }
+  // Waits until each peer of `counts` received exactly its count of messages; false when the hang
+  // guard ran out.
+  bool wait_received(const std::map<std::string, size_t>& counts) {
+    return wait_until([&](const auto& got) {
+      for (const auto& [peer, n] : counts)
+        if (!got.count(peer) || got.at(peer).size() != n) return false;
+      return true;
+    });
+  }
 
   // Each message of an engine when it arrives: how many messages of that engine sent before it
   // (by the order of the decode engine's calls, `sequence`) had not arrived yet. Only those of
@@ -298,6 +307,12 @@ class KvReleaseSenders : public ::testing::Test {
     network_.expect(host + ":" + std::to_string(port), transfer_id);
     agent.release_remote(host, port, "prefill", transfer_id, {1, 2});
   }
+  // Releases "a-0".."a-<n-1>" to one engine; not through release(): the order of so many is not
+  // checked (most_overtaken's check is quadratic in an engine's messages).
+  static void fill(KvTransferAgent& agent, const std::string& host, uint16_t port, int n) {
+    for (int i = 0; i < n; ++i)
+      agent.release_remote(host, port, "prefill", "a-" + std::to_string(i), {1, 2});
+  }
   double dropped() {
     const std::string text = metrics_.render();
     const std::string name = "tandem:kv_transfer_releases_dropped_total";
@@ -426,19 +441,14 @@ TEST_F(KvReleaseSenders, OneEngineMayFillTheQueueAndOthersStillFindRoom) {
   network_.close_gate();
   auto decode = make_decode();
   const int kFirst = 2 + 4096;  // its 2 senders' and a full queue
-  // Not through release(): the order of so many is not checked (most_overtaken's check is
-  // quadratic in an engine's messages).
-  for (int i = 0; i < kFirst; ++i)
-    decode->release_remote("10.0.5.1", 7000, "prefill", "a-" + std::to_string(i), {1, 2});
+  fill(*decode, "10.0.5.1", 7000, kFirst);
   EXPECT_EQ(dropped(), 0);
   // Two of these take senders at once; the third waits, in the place of the first engine's newest.
   for (int i = 0; i < 3; ++i) release(*decode, "10.0.5.2", 7000, "b-" + std::to_string(i));
   EXPECT_EQ(dropped(), 1);
   network_.open_gate();
-  EXPECT_TRUE(network_.wait_until([&](const auto& got) {
-    return got.count("10.0.5.2:7000") && got.at("10.0.5.2:7000").size() == 3 &&
-           got.count("10.0.5.1:7000") && got.at("10.0.5.1:7000").size() == size_t(kFirst - 1);
-  })) << "a message to the engine with the shorter queue was dropped";
+  EXPECT_TRUE(network_.wait_received({{"10.0.5.2:7000", 3}, {"10.0.5.1:7000", kFirst - 1}}))
+      << "a message to the engine with the shorter queue was dropped";
   const auto got = network_.received();
   EXPECT_EQ(std::count(got.at("10.0.5.1:7000").begin(), got.at("10.0.5.1:7000").end(),
                        "a-" + std::to_string(kFirst - 1)),
@@ -486,17 +496,14 @@ TEST_F(KvReleaseSenders, WithinAHostAnEngineWithAShorterQueueStillFindsRoom) {
   network_.close_gate();
   auto decode = make_decode();
   const int kFirst = 2 + 4096;  // its 2 senders' and a full queue
-  for (int i = 0; i < kFirst; ++i)
-    decode->release_remote("10.0.9.1", 7000, "prefill", "a-" + std::to_string(i), {1, 2});
+  fill(*decode, "10.0.9.1", 7000, kFirst);
   release(*decode, "10.0.9.1", 7001, "b-0");
   release(*decode, "10.0.9.1", 7001, "b-1");
   release(*decode, "10.0.9.1", 7001, "b-2");  // takes the place of the first engine's newest
   EXPECT_EQ(dropped(), 1);
   network_.open_gate();
-  EXPECT_TRUE(network_.wait_until([&](const auto& got) {
-    return got.count("10.0.9.1:7001") && got.at("10.0.9.1:7001").size() == 3 &&
-           got.count("10.0.9.1:7000") && got.at("10.0.9.1:7000").size() == size_t(kFirst - 1);
-  })) << "a message to the engine with the shorter queue was dropped";
+  EXPECT_TRUE(network_.wait_received({{"10.0.9.1:7001", 3}, {"10.0.9.1:7000", kFirst - 1}}))
+      << "a message to the engine with the shorter queue was dropped";
 }
 
 // A prefill engine that refuses a release as busy (every connection it allows in use, as when
@@ -586,9 +593,8 @@ TEST_F(KvReleaseSenders, AReleaseWhoseSenderCouldNotStartGoesWithTheNextOne) {
   auto decode = make_decode(config);
   release(*decode, "10.0.2.1", 7000, "first");
   release(*decode, "10.0.2.1", 7000, "second");
-  EXPECT_TRUE(network_.wait_until([](const auto& got) {
-    return got.count("10.0.2.1:7000") && got.at("10.0.2.1:7000").size() == 2;
-  })) << "the release whose sender could not start was lost";
+  EXPECT_TRUE(network_.wait_received({{"10.0.2.1:7000", 2}}))
+      << "the release whose sender could not start was lost";
   EXPECT_LE(network_.most_overtaken(), 1);
   EXPECT_EQ(dropped(), 0);
 }
