@@ -1,7 +1,6 @@
 #include "api/model_list.h"
 
 #include <algorithm>
-#include <cctype>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +27,12 @@ std::string dumped(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+// The part of a path under /v1/models/ after that prefix.
+std::string_view id_part(std::string_view path) {
+  static constexpr std::string_view kPrefix = "/v1/models/";
+  return path.substr(std::min(path.size(), kPrefix.size()));
+}
+
 }  // namespace
 
 std::string model_list_json(const ModelCard& model) {
@@ -38,34 +43,25 @@ std::string model_json(const ModelCard& model) {
   return dumped(model_object(model));
 }
 
-std::vector<std::string> model_paths(std::string_view id) {
-  std::vector<std::string> paths = {"/v1/models/" + std::string(id)};
-  // encodeURIComponent's form: the openai client (v5) sends "Qwen/Qwen3-8B" as Qwen%2FQwen3-8B,
-  // and the server decodes only the escapes of unreserved characters.
-  std::string encoded = "/v1/models/";
-  static constexpr char kHex[] = "0123456789ABCDEF";
-  for (const unsigned char c : id) {
-    if (std::isalnum(c) || std::string_view("-_.!~*'()").find(char(c)) != std::string_view::npos) {
-      encoded += char(c);
-    } else {
-      encoded += '%';
-      encoded += kHex[c >> 4];
-      encoded += kHex[c & 15];
-    }
+std::optional<std::string> retrieved_model_id(std::string_view path) {
+  const std::string id = net::percent_decoded(id_part(path));
+  for (size_t start = 0; start <= id.size();) {
+    const size_t slash = std::min(id.find('/', start), id.size());
+    const std::string_view segment = std::string_view(id).substr(start, slash - start);
+    if (segment == "." || segment == "..") return std::nullopt;
+    start = slash + 1;
   }
-  if (encoded != paths[0]) paths.push_back(encoded);
-  return paths;
+  return id;
 }
 
 net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model) {
-  static constexpr std::string_view kPrefix = "/v1/models/";
-  const std::vector<std::string> paths = model_paths(model.id);
+  const std::optional<std::string> id = retrieved_model_id(path);
   net::HttpResponse r;
-  if (std::find(paths.begin(), paths.end(), path) != paths.end()) {
+  if (id && *id == model.id) {
     r.body = model_json(model);
     return r;
   }
-  const ApiError e = model_not_found(path.substr(std::min(path.size(), kPrefix.size())));
+  const ApiError e = model_not_found(id ? std::string_view(*id) : id_part(path));
   r.status = e.status;
   r.body = api_error_body(e);
   return r;

@@ -25,12 +25,15 @@ struct ModelCard {
 std::string model_list_json(const ModelCard& model);
 // GET /v1/models/{id}'s body (the openai client's models.retrieve): the model object alone.
 std::string model_json(const ModelCard& model);
-// The paths GET /v1/models/{id} of model `id` arrives at: the id as it is, and percent-encoded
-// as encodeURIComponent writes it when that differs (a name with '/').
-std::vector<std::string> model_paths(std::string_view id);
-// The answer to GET `path` (a path under /v1/models/, as it arrived) of a server serving `model`:
-// its object at one of model_paths(model.id), else 404 model_not_found naming the id, as a
-// request naming an unknown model is answered.
+// The model id GET `path` names (a path under /v1/models/, as it arrived): the rest of the path,
+// percent-decoded once, as servers read a path parameter. The openai Python client sends
+// "deepseek-ai/DeepSeek-V3" as it is, its Node client (encodeURIComponent) as
+// deepseek-ai%2FDeepSeek-V3: both name that model. nullopt for an id with a "." or ".." segment,
+// which a proxy or engine on the way would resolve into another path, never a model's.
+std::optional<std::string> retrieved_model_id(std::string_view path);
+// The answer to GET `path` of a server serving `model`: its object when retrieved_model_id(path)
+// is its id, else 404 model_not_found naming the id, as a request naming an unknown model is
+// answered.
 net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model);
 
 // The least `max_model_len` of a list body's models (an engine may serve several names); nullopt

@@ -163,7 +163,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                       api::model_list_json({info.model_name, created_, engine_.max_model_len()}));
         });
   // The openai client's models.retrieve: the model object of the list, or model_not_found for
-  // another id (its path as it arrived: the server decodes only unreserved escapes).
+  // another id (api::retrieved_model_id reads it).
   route_prefix("GET", "/v1/models/",
                [this, info](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
                  ex->respond(api::model_retrieval(

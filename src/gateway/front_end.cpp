@@ -98,10 +98,12 @@ void FrontEnd::add_routes(net::HttpServer& server) {
     relay_to_an_engine(req, std::move(ex), std::move(u));
   });
   // The openai client's models.retrieve: the model object of the list, or model_not_found for
-  // another id (its path as it arrived: the server decodes only unreserved escapes).
+  // another id (api::retrieved_model_id reads it).
   server.route_prefix("GET", "/v1/models/", [this](const net::HttpRequest& req, auto ex) {
     if (!api_key_accepted(topo_, req, *ex)) return;
-    if (!topo_.served_model_name.empty()) {
+    // An id with a dot segment is no model's: not relayed, where the engine (or a proxy before
+    // it) would resolve /v1/models/../x into another route.
+    if (!topo_.served_model_name.empty() || !api::retrieved_model_id(req.path)) {
       ex->respond(api::model_retrieval(
           req.path, {topo_.served_model_name, exec_.unix_ms() / 1000, endpoints_.max_model_len()}));
       return;

@@ -202,33 +202,37 @@ HttpResponse plain_error_response(int status, std::string_view message, std::str
   return r;
 }
 
-std::optional<std::string> query_param(std::string_view query, std::string_view key) {
+std::string percent_decoded(std::string_view text) {
   auto hex = [](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
   };
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && i + 2 < text.size() && hex(text[i + 1]) >= 0 && hex(text[i + 2]) >= 0) {
+      out += static_cast<char>(hex(text[i + 1]) * 16 + hex(text[i + 2]));
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> query_param(std::string_view query, std::string_view key) {
   while (!query.empty()) {
     const size_t amp = query.find('&');
     const std::string_view pair = query.substr(0, amp);
     query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
     const size_t eq = pair.find('=');
     if (pair.substr(0, eq) != key) continue;
-    const std::string_view raw = eq == std::string_view::npos ? "" : pair.substr(eq + 1);
-    std::string value;
-    for (size_t i = 0; i < raw.size(); ++i) {
-      if (raw[i] == '+') {
-        value += ' ';
-      } else if (raw[i] == '%' && i + 2 < raw.size() && hex(raw[i + 1]) >= 0 &&
-                 hex(raw[i + 2]) >= 0) {
-        value += static_cast<char>(hex(raw[i + 1]) * 16 + hex(raw[i + 2]));
-        i += 2;
-      } else {
-        value += raw[i];
-      }
-    }
-    return value;
+    // '+' is a space before the escapes are decoded: "%2B" is a '+'.
+    std::string raw(eq == std::string_view::npos ? "" : pair.substr(eq + 1));
+    std::replace(raw.begin(), raw.end(), '+', ' ');
+    return percent_decoded(raw);
   }
   return std::nullopt;
 }

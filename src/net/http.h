@@ -85,6 +85,9 @@ void check_listen_address(std::string_view host_flag, const std::string& host,
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);
 
+// `text` with each %XX escape decoded, once ("%2541" is "%41"); a malformed escape is kept as it
+// is.
+std::string percent_decoded(std::string_view text);
 // The value of `key` in a query string ("a=1&b=x%20y"), percent-decoded ('+' is a space); nullopt
 // when absent. A malformed escape is kept as it is.
 std::optional<std::string> query_param(std::string_view query, std::string_view key);

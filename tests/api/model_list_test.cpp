@@ -7,6 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
+#include "net/http.h"
+
 namespace tandem::api {
 namespace {
 
@@ -26,18 +29,54 @@ TEST(ModelList, WhatAnEngineWritesReadsBack) {
   EXPECT_EQ(max_model_len_of(unsaid.dump()), std::nullopt);
 }
 
-// GET /v1/models/{id} answers the model object alone, at the id as it is and, for a name with a
-// character encodeURIComponent escapes ('/' in "Qwen/Qwen3-8B"), at the escaped path the openai
-// client sends too.
+// GET /v1/models/{id} answers the model object alone, at the id as it is and percent-encoded: the
+// openai Python client sends "Qwen/Qwen3-8B" as it is, its Node client as Qwen%2FQwen3-8B.
 TEST(ModelList, OneModelIsRetrievedAtItsIdAsItIsAndEncoded) {
   const json m = json::parse(model_json({"Qwen/Qwen3-8B", 1700000000, 4096}));
   EXPECT_EQ(m["id"], "Qwen/Qwen3-8B");
   EXPECT_EQ(m["object"], "model");
   EXPECT_EQ(m["max_model_len"], 4096);
   EXPECT_EQ(m, json::parse(model_list_json({"Qwen/Qwen3-8B", 1700000000, 4096}))["data"][0]);
-  EXPECT_EQ(model_paths("Qwen/Qwen3-8B"),
-            (std::vector<std::string>{"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B"}));
-  EXPECT_EQ(model_paths("deepseek-v3"), std::vector<std::string>{"/v1/models/deepseek-v3"});
+  for (const char* path : {"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B",
+                           "/v1/models/Qwen%2fQwen3-8B", "/v1/models/Qwen%2FQwen3%2D8B"}) {
+    const net::HttpResponse r = model_retrieval(path, {"Qwen/Qwen3-8B", 1700000000, 4096});
+    EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+    EXPECT_EQ(json::parse(r.body), m) << path;
+  }
+}
+
+// The id is decoded once, as servers read a path parameter: a lower-case escape or one of a
+// character encodeURIComponent keeps (Python's quote(safe="") escapes ':') names the model too,
+// and "%2541" is "%41", not "A". Only the model's id answers 200; another is model_not_found
+// naming it as decoded.
+TEST(ModelList, TheRetrievedIdIsThePathPercentDecodedOnce) {
+  EXPECT_EQ(retrieved_model_id("/v1/models/deepseek-ai/DeepSeek-V3"), "deepseek-ai/DeepSeek-V3");
+  EXPECT_EQ(retrieved_model_id("/v1/models/deepseek-ai%2FDeepSeek-V3"), "deepseek-ai/DeepSeek-V3");
+  EXPECT_EQ(retrieved_model_id("/v1/models/sim%3atiny"), "sim:tiny");
+  EXPECT_EQ(retrieved_model_id("/v1/models/a%2541"), "a%41");
+  EXPECT_EQ(retrieved_model_id("/v1/models/a%zz%4"), "a%zz%4");  // malformed: kept as sent
+  EXPECT_EQ(retrieved_model_id("/v1/models/v1.5/..."), "v1.5/...");
+  EXPECT_EQ(model_retrieval("/v1/models/sim%3atiny", {"sim:tiny", 1, 0}).status, 200);
+  EXPECT_EQ(model_retrieval("/v1/models/a%2541", {"aA", 1, 0}).status, 404);
+  const net::HttpResponse other = model_retrieval("/v1/models/Qwen%2FOther", {"Qwen/Q", 1, 0});
+  EXPECT_EQ(other.status, 404);
+  EXPECT_EQ(openai_error_code(other.body), "model_not_found") << other.body;
+  EXPECT_EQ(openai_error_message(other.body), "The model `Qwen/Other` does not exist.");
+}
+
+// A "." or ".." segment names no model: a proxy or engine on the way would resolve
+// /v1/models/../completions into another route. Refused as an unknown model, even by a server
+// whose model is named so.
+TEST(ModelList, AnIdWithADotSegmentIsNoModels) {
+  for (const char* path :
+       {"/v1/models/..", "/v1/models/.", "/v1/models/../completions", "/v1/models/Qwen/./Qwen3-8B",
+        "/v1/models/Qwen/..", "/v1/models/Qwen%2F..%2Fx", "/v1/models/%2E%2E"}) {
+    EXPECT_EQ(retrieved_model_id(path), std::nullopt) << path;
+    const std::string id = std::string(path).substr(11);
+    const net::HttpResponse r = model_retrieval(path, {net::percent_decoded(id), 1, 0});
+    EXPECT_EQ(r.status, 404) << path;
+    EXPECT_EQ(openai_error_code(r.body), "model_not_found") << path << ": " << r.body;
+  }
 }
 
 // A model name that is no UTF-8 (refused at startup, but the list must not depend on that) is

@@ -74,6 +74,12 @@ class FakeEngine {
       }
       ex->respond(200, json{{"object", "list"}, {"data", data}}.dump());
     });
+    // models.retrieve relayed: the target each call arrived with, answered with an echo of it.
+    server_->route_prefix("GET", "/v1/models/", [this](const net::HttpRequest& req, auto ex) {
+      std::lock_guard lock(mutex_);
+      retrieved_.push_back(req.target);
+      ex->respond(200, json{{"id", req.target}, {"object", "model"}}.dump());
+    });
     server_->route("GET", "/load", [this](const net::HttpRequest&, auto ex) {
       std::lock_guard lock(mutex_);
       if (load_status_ == 404)
@@ -106,6 +112,11 @@ class FakeEngine {
     model_fields_ = std::move(fields);
   }
   int requests() const { return requests_; }
+  // The targets of the GET /v1/models/{id} calls it answered.
+  std::vector<std::string> retrieved() {
+    std::lock_guard lock(mutex_);
+    return retrieved_;
+  }
   int closed_early() const { return closed_early_; }  // clients that left before the answer
   json last_body() {
     std::lock_guard lock(mutex_);
@@ -264,6 +275,7 @@ class FakeEngine {
   size_t max_held_ = 0;
   int load_status_ = 404;
   std::vector<std::string> models_;
+  std::vector<std::string> retrieved_;
   json model_fields_ = json::object();
   std::string load_body_;
 };

@@ -703,7 +703,8 @@ TEST_P(GatewayFailures, TheModelIsRetrievedAtItsIdAndAnotherIdIsModelNotFound) {
   start(t);
   const json listed =
       json::parse(net::http_request("127.0.0.1", port(), "GET", "/v1/models").body)["data"][0];
-  for (const char* path : {"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B"}) {
+  for (const char* path :
+       {"/v1/models/Qwen/Qwen3-8B", "/v1/models/Qwen%2FQwen3-8B", "/v1/models/Qwen%2fQwen3-8B"}) {
     const auto r = net::http_request("127.0.0.1", port(), "GET", path);
     ASSERT_EQ(r.status, 200) << path << " " << r.body;
     json got = json::parse(r.body);
@@ -716,6 +717,33 @@ TEST_P(GatewayFailures, TheModelIsRetrievedAtItsIdAndAnotherIdIsModelNotFound) {
   EXPECT_EQ(api::openai_error_code(r.body), "model_not_found") << r.body;
   EXPECT_EQ(api::openai_error_message(r.body), "The model `dsv3` does not exist.") << r.body;
   EXPECT_EQ(engine.requests(), 0);
+}
+
+// Without served_model_name the gateway knows no model: models.retrieve goes to an engine with
+// the path as the client sent it (the openai Python client's '/' as it is, the Node client's %2F).
+// A path with a dot segment is answered model_not_found and not relayed: the engine, or a proxy
+// before it, would resolve /v1/models/../completions into another route.
+TEST_P(GatewayFailures, ModelRetrievalIsRelayedAsSentButNeverWithADotSegment) {
+  FakeEngine engine("e");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  start(t);
+  auto get = [&](const char* path) { return net::http_request("127.0.0.1", port(), "GET", path); };
+  ASSERT_TRUE(eventually([&] { return get("/v1/models/deepseek-ai/DeepSeek-V3").status == 200; }));
+  EXPECT_EQ(get("/v1/models/deepseek-ai%2FDeepSeek-V3").status, 200);
+  for (const char* path : {"/v1/models/../completions", "/v1/models/%2E%2E/health",
+                           "/v1/models/deepseek-ai/./DeepSeek-V3", "/v1/models/x%2F..%2Fhealth"}) {
+    const auto r = get(path);
+    EXPECT_EQ(r.status, 404) << path << ": " << r.body;
+    EXPECT_EQ(api::openai_error_code(r.body), "model_not_found") << path << ": " << r.body;
+  }
+  const std::vector<std::string> relayed = engine.retrieved();
+  ASSERT_FALSE(relayed.empty());
+  EXPECT_EQ(relayed.back(), "/v1/models/deepseek-ai%2FDeepSeek-V3");
+  for (const std::string& target : relayed)
+    EXPECT_TRUE(target == "/v1/models/deepseek-ai/DeepSeek-V3" ||
+                target == "/v1/models/deepseek-ai%2FDeepSeek-V3")
+        << target;
 }
 
 // SGLang (and TGI, llama.cpp) list their model path but serve a request naming any model: with
