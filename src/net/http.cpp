@@ -3,8 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 
 #include <nlohmann/json.hpp>
 
@@ -93,29 +91,8 @@ void check_socket_host(std::string_view flag, std::string_view host) {
 
 void check_listen_address(std::string_view host_flag, const std::string& host,
                           std::string_view port_flag, uint16_t port) {
-  const std::string where = url_host(host) + ":" + std::to_string(port);
-  std::string error;
-  // The first address, as the server's listen_tcp takes it.
-  const std::vector<detail::Address> addresses = detail::resolve(host, port, true, error);
-  if (addresses.empty())
-    throw Error(std::string(host_flag) + " '" + host + "': cannot resolve it: " + error);
-  const detail::Address& a = addresses.front();
-  const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error("cannot listen on " + where + ": " + std::strerror(errno));
-  int one = 1;  // as the server binds: a closed connection's TIME_WAIT does not hold the port
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  const int bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&a.storage), a.length);
-  const int e = errno;
-  ::close(fd);
-  if (bound == 0) return;
-  if (e == EADDRINUSE)
-    throw Error(std::string(port_flag) + " " + std::to_string(port) + ": " + where +
-                " is in use (another process listens there)");
-  if (e == EACCES)
-    throw Error(std::string(port_flag) + " " + std::to_string(port) + ": cannot listen on " +
-                where + ": " + std::strerror(e));
-  throw Error(std::string(host_flag) + " '" + host + "': cannot listen on " + where + ": " +
-              std::strerror(e));
+  uint16_t bound = 0;
+  ::close(detail::listen_tcp({host, port, host_flag, port_flag}, bound));
 }
 
 std::string_view status_reason(int status) {

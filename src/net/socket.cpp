@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "net/http.h"
 #include "util/error.h"
 
 namespace tandem::net::detail {
@@ -65,28 +66,32 @@ std::vector<Address> resolve(const std::string& host, uint16_t port, bool passiv
   return out;
 }
 
-int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port, bool reuse_port) {
-  std::string where = host + ":" + std::to_string(port);
+int listen_tcp(const ListenAddress& at, uint16_t& bound_port, bool reuse_port) {
+  const std::string where = url_host(at.host) + ":" + std::to_string(at.port);
+  const std::string port_said = std::string(at.port_flag) + " " + std::to_string(at.port) + ": ";
+  const std::string host_said = std::string(at.host_flag) + " '" + at.host + "': ";
   std::string error;
-  std::vector<Address> addresses = resolve(host, port, true, error);
-  if (addresses.empty()) {
-    throw Error("HttpServer: cannot resolve listen address " + where + ": " + error);
-  }
+  // The first address: a name that resolves to several is bound at one.
+  const std::vector<Address> addresses = resolve(at.host, at.port, true, error);
+  if (addresses.empty()) throw Error(host_said + "cannot resolve it: " + error);
   const Address& a = addresses.front();
-  int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error("HttpServer: cannot listen on " + where + ": " + std::strerror(errno));
-  int one = 1;
+  const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(port_said + "cannot listen on " + where + ": " + std::strerror(errno));
+  int one = 1;  // a closed connection's TIME_WAIT does not hold the port
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (reuse_port && ::setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) {
     const int e = errno;
     ::close(fd);
-    throw Error("HttpServer: cannot share " + where + " (SO_REUSEPORT): " + std::strerror(e));
+    throw Error(port_said + "cannot share " + where + " (SO_REUSEPORT): " + std::strerror(e));
   }
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0 ||
       ::listen(fd, SOMAXCONN) != 0) {
-    int e = errno;
+    const int e = errno;
     ::close(fd);
-    throw Error("HttpServer: cannot listen on " + where + ": " + std::strerror(e));
+    if (e == EADDRINUSE)
+      throw Error(port_said + where + " is in use (another process listens there)");
+    if (e == EACCES) throw Error(port_said + "cannot listen on " + where + ": " + std::strerror(e));
+    throw Error(host_said + "cannot listen on " + where + ": " + std::strerror(e));
   }
   sockaddr_storage local{};
   socklen_t length = sizeof local;

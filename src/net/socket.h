@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tandem::net::detail {
@@ -24,11 +25,20 @@ std::optional<Address> numeric_address(const std::string& host, uint16_t port);
 std::vector<Address> resolve(const std::string& host, uint16_t port, bool passive,
                              std::string& error);
 
-// A non-blocking, close-on-exec TCP listener bound to host:port. Throws tandem::Error.
-// `reuse_port`: SO_REUSEPORT, so several listeners (gateway replicas) share the port and the
-// kernel spreads new connections over them.
-int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port,
-               bool reuse_port = false);
+// Where a listener binds, and the flags that chose it: its errors name them.
+struct ListenAddress {
+  std::string host;
+  uint16_t port = 0;
+  std::string_view host_flag = "--host";
+  std::string_view port_flag = "--port";
+};
+
+// A non-blocking, close-on-exec TCP listener bound to `at` (the HTTP server's, the KV transfer's
+// and the test bind of net::check_listen_address: one wording for all). Throws tandem::Error
+// naming the address and a flag: host_flag for a host that does not resolve or is not this
+// machine's, port_flag for a port in use or privileged. `reuse_port`: SO_REUSEPORT, so several
+// listeners (gateway replicas) share the port and the kernel spreads new connections over them.
+int listen_tcp(const ListenAddress& at, uint16_t& bound_port, bool reuse_port = false);
 
 // A non-blocking TCP socket with a connect to `address` started. Returns the fd (connected or
 // in progress) or -1 with errno set.

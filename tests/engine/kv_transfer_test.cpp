@@ -239,6 +239,17 @@ TEST_P(KvTransports, OversizePayloadIsRejected) {
   EXPECT_THAT(e, HasSubstr("100 bytes exceeds the limit of 99"));
 }
 
+// The listener's own words ("KV transfer: cannot listen on 127.0.0.1:P: Address already in use")
+// named neither the flag nor why: those of every listener of tandem (net::detail::listen_tcp).
+TEST_P(KvTransports, APortInUseIsRefusedNamingTheKvTransferFlagAndTheAddress) {
+  const auto transport = make_transport(GetParam(), 5000ms);
+  const auto held = transport->listen("127.0.0.1", 0);
+  const std::string port = std::to_string(held->port());
+  EXPECT_EQ(error_of([&] { transport->listen("127.0.0.1", held->port()); }),
+            "--kv-transfer-port " + port + ": 127.0.0.1:" + port +
+                " is in use (another process listens there)");
+}
+
 TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
   auto p = connect_pair(GetParam(), 200ms);
   const std::string e = error_of([&] { p->client->receive(1024); });

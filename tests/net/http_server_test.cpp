@@ -33,6 +33,7 @@
 #include "net/sse.h"
 #include "util/bounded_wait.h"
 #include "util/error.h"
+#include "util/error_of.h"
 
 namespace tandem::net {
 namespace {
@@ -858,6 +859,30 @@ TEST(HttpServer, APrefixRouteTakesThePathsUnderItThatHaveNoRouteOfTheirOwn) {
   const auto r = client.request("POST", "/v1/models/x", "{}");
   EXPECT_EQ(r.status, 405);
   EXPECT_EQ(r.headers.get("Allow"), "GET, HEAD");
+}
+
+// The server's listen said "HttpServer: cannot listen on 127.0.0.1:P: Address already in use" and
+// the check before an engine's load said it otherwise: one helper binds both (and the KV transfer
+// listener), naming the flag and the address.
+TEST(HttpServer, AListenAddressThatCannotBeTakenIsRefusedNamingTheFlagAndTheAddress) {
+  HttpServer held(local_options());
+  held.start();
+  const std::string port = std::to_string(held.port());
+  const std::string in_use =
+      "--port " + port + ": 127.0.0.1:" + port + " is in use (another process listens there)";
+  HttpServerOptions same = local_options();
+  same.port = held.port();
+  HttpServer second(same);
+  EXPECT_EQ(testing::error_of([&] { second.start(); }), in_use);
+  EXPECT_EQ(testing::error_of(
+                [&] { check_listen_address("--host", "127.0.0.1", "--port", held.port()); }),
+            in_use);
+  // An address of no interface here is the host's fault, named by its flag.
+  const std::string elsewhere =
+      testing::error_of([&] { check_listen_address("--engine-host", "192.0.2.1", "--x", 0); });
+  EXPECT_EQ(elsewhere.rfind("--engine-host '192.0.2.1': cannot listen on 192.0.2.1:0: ", 0), 0u)
+      << elsewhere;
+  held.stop();
 }
 
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {

@@ -168,35 +168,13 @@ class TcpConnection : public KvConnection {
   bool broken_ = false;  // the calling thread's: a failed or timed-out call left the stream
 };
 
-int listen_on(const std::string& host, uint16_t port, uint16_t& bound) {
-  const std::string where = host + ":" + std::to_string(port);
-  std::string error;
-  const auto addresses = net::detail::resolve(host, port, /*passive=*/true, error);
-  if (addresses.empty())
-    throw Error("KV transfer: cannot resolve listen address '" + host + "': " + error);
-  const auto& a = addresses.front();
-  const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error("KV transfer: cannot listen on " + where + ": " + std::strerror(errno));
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0 ||
-      ::listen(fd, SOMAXCONN) != 0) {
-    const int e = errno;
-    ::close(fd);
-    throw Error("KV transfer: cannot listen on " + where + ": " + std::strerror(e));
-  }
-  sockaddr_storage local{};
-  socklen_t length = sizeof local;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length);
-  bound = local.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port)
-                                      : ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
-  return fd;
-}
-
 class TcpListener : public KvListener {
  public:
   TcpListener(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
-      : fd_(listen_on(host, port, port_)), timeout_(timeout) {}
+      // The engine's KV transfer listener: its errors name the flags that place it.
+      : fd_(net::detail::listen_tcp({host, port, "--kv-transfer-host", "--kv-transfer-port"},
+                                    port_)),
+        timeout_(timeout) {}
   ~TcpListener() override {
     close();
     ::close(fd_);
