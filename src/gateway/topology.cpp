@@ -214,9 +214,13 @@ class Reader {
   // The keys of a mapping, checked against `allowed` (each at most once).
   std::map<std::string, YAML::Node> mapping(const YAML::Node& node, const std::string& path,
                                             std::initializer_list<const char*> allowed) const {
-    if (!node.IsMap()) fail(path.empty() ? "(top level)" : path, "a mapping", describe(node));
     std::string names;
     for (const char* name : allowed) names += std::string(names.empty() ? "" : ", ") + name;
+    // A key with nothing after it ("prefill:" whose keys were not indented under it): said so,
+    // with the keys it takes, where "expected a mapping, got nothing" left both to guess.
+    if (node.IsNull() && !path.empty())
+      fail(path, "a mapping of " + names + " (indented under it)", "an empty value");
+    if (!node.IsMap()) fail(path.empty() ? "(top level)" : path, "a mapping", describe(node));
     std::map<std::string, YAML::Node> result;
     for (const auto& item : node) {
       const std::string key = item.first.IsScalar() ? item.first.Scalar() : "";
@@ -317,6 +321,9 @@ std::string at(const std::string& path, size_t index) {
 
 Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::string& path) {
   if (node.IsScalar()) return parse_endpoint_as(r.string(node, path), r.where(path));
+  if (node.IsNull())  // "- " with nothing after it: either form may be meant
+    r.fail(path, std::string(kEndpointForms) + ", or a mapping with url, or host and port",
+           "an empty value");
   const auto keys = r.mapping(node, path,
                               {"url", "host", "port", "bootstrap_port", "group", "name",
                                "max_in_flight", "kv_events", "kv_events_replay"});

@@ -497,6 +497,22 @@ TEST(TopologyYaml, DocumentsThatAreNoMappingAreErrors) {
   EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:1\"]\n"), HasSubstr("expected YAML"));
 }
 
+// A key with nothing after it (its keys not indented under it, or a list entry left empty) was
+// "prefill: expected a mapping, got nothing" and "decode.endpoints[0]: expected a mapping": it is
+// named an empty value, with what the key takes.
+TEST(TopologyYaml, AKeyWithAnEmptyValueIsSaidSoWithWhatItTakes) {
+  EXPECT_EQ(yaml_error("prefill:\ndecode: {endpoints: [\"d:1\"]}\n"),
+            "t.yaml: prefill: expected a mapping of dialect, tokens_in, max_in_flight, endpoints "
+            "(indented under it), got an empty value");
+  EXPECT_EQ(yaml_error(parallel_yaml("timeouts:\n")),
+            "t.yaml: timeouts: expected a mapping of queue_ms, connect_ms, prefill_ms, "
+            "first_token_ms, idle_ms, decode_queue_ms (indented under it), got an empty value");
+  EXPECT_EQ(yaml_error("decode:\n  endpoints:\n    -\n"),
+            "t.yaml: decode.endpoints[0]: expected HOST:PORT, http://HOST:PORT or "
+            "HOST:PORT@BOOTSTRAP_PORT, or a mapping with url, or host and port, got an empty "
+            "value");
+}
+
 TEST(TopologyYaml, LimitsAreChecked) {
   const std::pair<std::string, std::string> cases[] = {
       {"listen: {io_threads: 0}", "listen.io_threads: expected a whole number 1..64, got 0"},
