@@ -247,16 +247,33 @@ int kv_transfer_port(const EngineOptions& o) {
   return o.role == "prefill" ? 8998 : o.role == "both" ? 0 : -1;
 }
 
+// The HTTP server and the KV transfer listener on one port: each test bind passed alone, and the
+// second listener failed after the model's load.
+void check_own_ports(const EngineOptions& o, const std::string& transfer_host) {
+  const int port = kv_transfer_port(o);
+  if (port <= 0 || port != o.port) return;
+  auto any = [](const std::string& host) {
+    return host.empty() || host == "0.0.0.0" || host == "::";
+  };
+  // Two addresses of this host may share a port; a wildcard overlaps every address.
+  if (transfer_host != o.host && !any(transfer_host) && !any(o.host)) return;
+  const std::string taken = o.kv_transfer_port == -2 ? " (a prefill engine's default)" : "";
+  throw Error("--kv-transfer-port " + std::to_string(port) + taken + ": --port is " +
+              std::to_string(o.port) +
+              " too; the HTTP server and the KV transfer listener need a port each");
+}
+
 void run(const EngineOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
   check_settings(o, cmd);  // before minutes of loading
   if (o.model.rfind(kSimPrefix, 0) != 0) check_model_folder("--model", o.model);
+  const std::string transfer_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
+  check_own_ports(o, transfer_host);
   // Likewise the address: a port in use found after the load would have cost it.
   net::check_listen_address("--host", o.host, "--port", static_cast<uint16_t>(o.port));
   // The KV transfer listener opens after the load too: a second prefill engine on this host
   // would load its model and then find the default 8998 taken.
-  const std::string transfer_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
   if (const int port = kv_transfer_port(o); port > 0)
     net::check_listen_address("--kv-transfer-host", transfer_host, "--kv-transfer-port",
                               static_cast<uint16_t>(port));

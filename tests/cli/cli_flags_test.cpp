@@ -629,5 +629,33 @@ TEST(CliFlags, ABenchWhoseEveryRequestFailedExitsNonZero) {
   EXPECT_EQ(written["failed"], 3) << written.dump();
 }
 
+// `--port P --kv-transfer-port P`: each listen check passed alone (a test bind, released), and the
+// second listener failed after the model's load. Refused first, naming both flags; ports of two
+// different addresses of the host may be the same.
+TEST(CliFlags, AnEngineRefusesOnePortForItsServerAndItsKvTransferListener) {
+  const std::string need = " too; the HTTP server and the KV transfer listener need a port each";
+  for (const auto& [args, said] : {
+           std::pair{"--role prefill --host 127.0.0.1 --port 18997 --kv-transfer-port 18997",
+                     "--kv-transfer-port 18997: --port is 18997" + need},
+           // A wildcard address overlaps every other.
+           std::pair{"--role both --port 18997 --kv-transfer-host 127.0.0.1 "
+                     "--kv-transfer-port 18997",
+                     "--kv-transfer-port 18997: --port is 18997" + need},
+           // Before the host is resolved: the first error is the one to fix.
+           std::pair{"--role prefill --host 999.1.1.1 --port 8998",
+                     "--kv-transfer-port 8998 (a prefill engine's default): --port is 8998" + need},
+       }) {
+    const Result r = run(std::string("engine --model sim:tiny ") + args);
+    EXPECT_EQ(r.status, 1) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + said)) << args;
+  }
+  // Two addresses of the host: each its own.
+  const Result r =
+      run("engine --model sim:tiny --role prefill --host 127.0.0.1 --port 18997 --kv-transfer-host "
+          "999.1.1.1 --kv-transfer-port 18997");
+  EXPECT_THAT(r.output, HasSubstr("tandem: error: --kv-transfer-host '999.1.1.1': cannot resolve"))
+      << r.output;
+}
+
 }  // namespace
 }  // namespace tandem
