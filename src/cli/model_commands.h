@@ -11,7 +11,8 @@ void add_model_commands(CLI::App& app);
 
 // A tokenizer scripts/install-deps.sh installs with the test oracles ("deepseek_v3", "qwen3"):
 // what make-model ships by default (Qwen3's with the Qwen3 presets) and what simulated engines
-// use unless given --tokenizer.
+// use unless given --tokenizer. Found in the checkout above the binary, else above the current
+// folder; throws tandem::Error naming the file looked for and where.
 std::filesystem::path default_tokenizer(const std::string& family = "deepseek_v3");
 
 // The checkpoint of a make-model preset (seed 0, BF16) in the user's cache

