@@ -63,7 +63,7 @@ void check_unused_run_flags(const BenchCliOptions& o) {
 // "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both;
 // errors name `flag`.
 std::pair<std::string, uint16_t> split_url(const std::string& url, const std::string& flag) {
-  const gateway::Endpoint e = gateway::parse_endpoint(url, flag);
+  const gateway::Endpoint e = gateway::parse_server_address(url, flag);
   return {e.host, e.port};
 }
 

@@ -26,6 +26,7 @@ namespace tandem::gateway {
 namespace {
 
 constexpr const char* kEndpointForms = "HOST:PORT, http://HOST:PORT or HOST:PORT@BOOTSTRAP_PORT";
+constexpr const char* kServerForms = "HOST:PORT or http://HOST:PORT";
 constexpr const char* kModes = "aggregated, sequential (vllm) or parallel (sglang)";
 constexpr const char* kDialects = "auto, tandem, vllm or sglang";
 
@@ -112,11 +113,12 @@ uint16_t parse_port(const std::string& digits, const std::string& what, const st
   return static_cast<uint16_t>(value);
 }
 
-// parse_endpoint with the error prefix `what` (a key path in topology files).
-Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
-  auto malformed = [&] {
-    return Error(what + ": expected " + kEndpointForms + ", got " + quoted(text));
-  };
+// parse_endpoint with the error prefix `what` (a key path in topology files); without
+// `bootstrap`, parse_server_address.
+Endpoint parse_endpoint_as(const std::string& text, const std::string& what,
+                           bool bootstrap = true) {
+  const char* forms = bootstrap ? kEndpointForms : kServerForms;
+  auto malformed = [&] { return Error(what + ": expected " + forms + ", got " + quoted(text)); };
   Endpoint e;
   std::string rest = text, scheme_text;
   if (const auto scheme = rest.find("://"); scheme != std::string::npos) {
@@ -129,10 +131,11 @@ Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
   // A URL with a path (an OpenAI base URL, .../v1) names more than an address: said with
   // the address to give, as a pasted base URL is the likely case.
   if (const auto slash = rest.find('/'); slash != std::string::npos)
-    throw Error(what + ": expected " + kEndpointForms + ", got " + quoted(text) +
+    throw Error(what + ": expected " + forms + ", got " + quoted(text) +
                 ": give the address without a path, " +
                 quoted(scheme_text + rest.substr(0, slash)));
   if (const auto at = rest.find('@'); at != std::string::npos) {
+    if (!bootstrap) throw malformed();
     e.bootstrap_port = parse_port(rest.substr(at + 1), what, text);
     rest = rest.substr(0, at);
   }
@@ -757,6 +760,10 @@ std::chrono::milliseconds RetryBackoff::jittered(int retry, uint64_t random) con
 
 Endpoint parse_endpoint(const std::string& text, const std::string& what) {
   return parse_endpoint_as(text, what);
+}
+
+Endpoint parse_server_address(const std::string& text, const std::string& what) {
+  return parse_endpoint_as(text, what, false);
 }
 
 Endpoint parse_endpoint_entry(const std::string& text, const std::string& path) {

@@ -240,6 +240,9 @@ struct Topology {
 // "HOST:PORT@BOOTSTRAP_PORT". Throws tandem::Error naming the text otherwise, after `what` (the
 // flag or key the text came from).
 Endpoint parse_endpoint(const std::string& text, const std::string& what = "endpoint");
+// "HOST:PORT" or "http://HOST:PORT": a server's address where no bootstrap port applies (bench's
+// --base-url). Errors as parse_endpoint's, naming these forms.
+Endpoint parse_server_address(const std::string& text, const std::string& what);
 // One engine as an entry of a topology file's `endpoints` list (a string as above, or a mapping
 // with url or host and port, bootstrap_port, group, name, max_in_flight, kv_events,
 // kv_events_replay), from its YAML or JSON text (JSON is YAML): the admin API reads new engines

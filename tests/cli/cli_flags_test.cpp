@@ -204,11 +204,15 @@ TEST(CliFlags, GatewayAndServeErrorsNameTheFlagGiven) {
            std::pair{"serve --port 0 --mode foo", "tandem: error: --mode: expected aggregated"},
            std::pair{"serve --port 0 --policy foo",
                      "tandem: error: --policy: unknown scheduling policy 'foo'"},
-           // Not "the engine's address": bench's --base-url may be a gateway's.
+           // Not "the engine's address": bench's --base-url may be a gateway's. A bootstrap
+           // port is a prefill engine's, for a gateway: neither offered nor taken here.
            std::pair{"bench --base-url http://127.0.0.1:1/v1",
-                     "tandem: error: --base-url: expected HOST:PORT, http://HOST:PORT or "
-                     "HOST:PORT@BOOTSTRAP_PORT, got 'http://127.0.0.1:1/v1': give the address "
-                     "without a path, 'http://127.0.0.1:1'"},
+                     "tandem: error: --base-url: expected HOST:PORT or http://HOST:PORT, got "
+                     "'http://127.0.0.1:1/v1': give the address without a path, "
+                     "'http://127.0.0.1:1'"},
+           std::pair{"bench --base-url 127.0.0.1:1@8998",
+                     "tandem: error: --base-url: expected HOST:PORT or http://HOST:PORT, got "
+                     "'127.0.0.1:1@8998'"},
        }) {
     const Result r = run(args, env);
     EXPECT_EQ(r.status, 1) << args << ": " << r.output;
