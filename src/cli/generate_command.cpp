@@ -71,6 +71,12 @@ std::vector<int32_t> prompt_ids(const GenerateOptions& o, const text::Tokenizer&
 }
 
 void run(GenerateOptions& o) {
+  if (o.seed_set) o.sampling.seed = o.seed;
+  try {  // the flags first, before any file of the model is read
+    o.sampling.validate();
+  } catch (const api::InvalidSamplingParam& e) {
+    throw Error(sampling_flag_error(e));
+  }
   // generate runs the DeepSeek model alone; a Qwen3-MoE checkpoint is the engine's.
   if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture)
     throw Error("--model: " + o.model + " is a Qwen3-MoE checkpoint (" +
@@ -78,8 +84,6 @@ void run(GenerateOptions& o) {
                 "); tandem generate runs DeepSeek checkpoints only (DeepseekV3ForCausalLM, "
                 "DeepseekV2ForCausalLM). Serve Qwen3-MoE with `tandem engine --model " +
                 o.model + "` (or `tandem serve --model " + o.model + "`) and send it requests");
-  if (o.seed_set) o.sampling.seed = o.seed;
-  o.sampling.validate();
   const EngineGenerationConfig generation = load_generation_config(o.generation_config, o.model);
   if (!generation.note.empty())
     std::fprintf(stderr, "tandem generate: %s\n", generation.note.c_str());

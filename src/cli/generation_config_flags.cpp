@@ -1,5 +1,6 @@
 #include "cli/generation_config_flags.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -12,14 +13,23 @@
 namespace tandem::cli {
 namespace {
 
-// A request's message ("'top_p' must be in (0, 1], got 2") without the name that the field form
-// puts first.
+// A request's message ("'top_p' must be in (0, 1], got 2", "'stop': stop strings must not be
+// empty") without the name that the field form puts first.
 std::string without_name(const api::InvalidSamplingParam& e) {
-  const std::string named = "'" + e.param + "' ", what = e.what();
-  return what.starts_with(named) ? what.substr(named.size()) : "is invalid: " + what;
+  const std::string what = e.what();
+  for (const std::string& named : {"'" + e.param + "': ", "'" + e.param + "' "})
+    if (what.starts_with(named)) return what.substr(named.size());
+  return "is invalid: " + what;
 }
 
 }  // namespace
+
+std::string sampling_flag_error(const api::InvalidSamplingParam& e) {
+  // The flags are the fields' names in kebab case, --stop-token-id (repeated) aside.
+  std::string flag = e.param == "stop_token_ids" ? "stop-token-id" : e.param;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return "--" + flag + ": " + without_name(e);
+}
 
 void add_generation_config_flags(CLI::App& cmd, GenerationConfigFlags& flags) {
   cmd.add_option("--generation-config", flags.source,

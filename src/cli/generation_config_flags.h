@@ -31,5 +31,8 @@ struct EngineGenerationConfig {
 // the field.
 EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags,
                                               const std::string& model_dir);
+// A sampling check's error (a request's, naming the field: "'top_p' must be in (0, 1], got 2")
+// for sampling taken from flags of the same names: "--top-p: must be in (0, 1], got 2".
+std::string sampling_flag_error(const api::InvalidSamplingParam& e);
 
 }  // namespace tandem::cli

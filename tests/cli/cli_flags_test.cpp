@@ -697,5 +697,20 @@ TEST(CliFlags, TheDefaultTokenizerIsFoundAboveTheBinaryOrTheCurrentFolder) {
   EXPECT_THAT(above.output, HasSubstr(found)) << above.output;
 }
 
+// generate's sampling flags were refused in a request's words, naming the field ("'top_p' must be
+// in (0, 1], got 2"): the flag is named.
+TEST(CliFlags, GenerateNamesTheSamplingFlagItRefuses) {
+  for (const auto& [flags, said] : {
+           std::pair{"--top-p 2", "--top-p: must be in (0, 1], got 2"},
+           std::pair{"--temperature -1", "--temperature: must be >= 0, got -1"},
+           std::pair{"--repetition-penalty 0", "--repetition-penalty: must be > 0, got 0"},
+           std::pair{"--stop ''", "--stop: stop strings must not be empty"},
+       }) {
+    const Result r = run(std::string("generate --model / --prompt hi ") + flags);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(std::string("tandem: error: ") + said)) << flags;
+  }
+}
+
 }  // namespace
 }  // namespace tandem
