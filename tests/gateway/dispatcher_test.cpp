@@ -270,6 +270,13 @@ Topology disaggregated(PdMode mode, std::vector<Endpoint> prefill, std::vector<E
   return t;
 }
 
+// One engine `a` and no retry: what it answers is what the client gets.
+Topology one_engine_without_retries() {
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  return t;
+}
+
 // Sequential P/D with one prefill engine `p` that is a Tandem engine (it holds the prompt's KV for
 // its decode leg and takes releases) and one decode engine `d`.
 Topology tandem_sequential_pair() {
@@ -665,9 +672,7 @@ TEST(Dispatcher, AMidStreamErrorEventThenDoneIsRelayedButRecordedAsTheEnginesFai
 // A whole answer that only the connection's close delimited is parsed: cut short, it may still
 // end in '}'. It is a failed leg, not a 200.
 TEST(Dispatcher, AWholeAnswerCutBeforeTheCloseThatDelimitsItIsAFailedLeg) {
-  Topology t = aggregated({engine("a")});
-  t.prefill_retries = 0;
-  Cluster c(t);
+  Cluster c(one_engine_without_retries());
   auto client = c.send();
   const std::string answer = completion_answer("hi");
   ASSERT_EQ(answer.substr(answer.size() - 2), "}}");
@@ -841,9 +846,7 @@ TEST(Dispatcher, PassesAnEnginesClientErrorThroughWithoutRetrying) {
 // Only an OpenAI error is relayed as the engine's answer. Any other body of an error status went
 // to the client labelled application/json as it was: a proxy's HTML page too.
 TEST(Dispatcher, AnEnginesErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
-  Topology t = aggregated({engine("a")});
-  t.prefill_retries = 0;
-  Cluster c(t);
+  Cluster c(one_engine_without_retries());
   const auto answered = [&](int status, const std::string& body, const std::string& type) {
     auto client = c.send();
     FakeEngines::answer(*c.engines.open("/v1/completions").at(0), status, body, type);
@@ -888,15 +891,17 @@ TEST(Dispatcher, AnEnginesErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// An engine's answer that it is full (a 503 or 429 refusal).
+const std::string kEngineFull =
+    R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+
 // An engine's 429 says it is full, as a 503 does (reliability.md, "Overload is not failure"):
 // retried on another engine and not counted toward its ejection; a client gets it only when no
 // retry is left. It went to the client at once, as a 400 does.
 TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   Cluster c(aggregated({engine("a"), engine("b")}));
   auto client = c.send();
-  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 429, full);
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 429, kEngineFull);
   c.clock.run_ready();
   const auto open = c.engines.open("/v1/completions");
   ASSERT_EQ(open.size(), 1u);
@@ -911,10 +916,10 @@ TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
   alone.prefill_retries = 0;
   Cluster one(alone);
   auto refused = one.send();
-  FakeEngines::answer(*one.engines.open("/v1/completions").at(0), 429, full);
+  FakeEngines::answer(*one.engines.open("/v1/completions").at(0), 429, kEngineFull);
   one.clock.run_ready();
   EXPECT_EQ(refused->status, 429);
-  EXPECT_EQ(refused->body, full);
+  EXPECT_EQ(refused->body, kEngineFull);
 }
 
 // A retry after an engine's refusal (429, 503: its queue is full) that can only go back to an
@@ -922,8 +927,6 @@ TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
 // once, it met the same full queue. Once retries are spent the client gets the engine's refusal
 // with its Retry-After, which the gateway dropped.
 TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeepsItsRetryAfter) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   for (const PdMode mode : {PdMode::kAggregated, PdMode::kSequential}) {
     Topology t = mode == PdMode::kAggregated ? aggregated({engine("a")}) : tandem_sequential_pair();
     t.prefill_retries = 1;
@@ -931,7 +934,7 @@ TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeeps
     t.retry_backoff.max = milliseconds(400);
     Cluster c(t);
     auto client = c.send();
-    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, "3");
+    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, kEngineFull, "3");
     c.clock.run_ready();
     EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back";
     c.clock.advance_by(milliseconds(19));  // the least jittered wait is half of 40 ms
@@ -941,10 +944,10 @@ TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeeps
     ASSERT_EQ(retry.size(), 1u) << "not sent after the backoff";
     EXPECT_EQ(host_of(*retry[0]), mode == PdMode::kAggregated ? "a" : "p");
     EXPECT_FALSE(client->complete());
-    FakeEngines::refuse(*retry[0], 429, full, "3");
+    FakeEngines::refuse(*retry[0], 429, kEngineFull, "3");
     c.clock.run_ready();
     EXPECT_EQ(client->status, 429);
-    EXPECT_EQ(client->body, full);
+    EXPECT_EQ(client->body, kEngineFull);
     EXPECT_EQ(client->retry_after, "3");
     EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
     EXPECT_EQ(c.dispatcher.active(), 0u);
@@ -955,27 +958,25 @@ TEST(Dispatcher, ARetryThatCanOnlyGoBackToARefusingEngineWaitsTheBackoffAndKeeps
 // Each refusal backoff waits longer than the one before: the second is drawn from before(2) (40 to
 // 80 ms for a first of 40 ms), not again from before(1) (20 to 40 ms), as the busy retries count.
 TEST(Dispatcher, EachRefusalBackoffWaitsLongerThanTheOneBefore) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   Topology t = aggregated({engine("a")});
   t.prefill_retries = 2;
   t.retry_backoff.first = milliseconds(40);
   t.retry_backoff.max = milliseconds(400);
   Cluster c(t);
   auto client = c.send();
-  FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, "3");
+  FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, kEngineFull, "3");
   c.clock.run_ready();
   c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
   auto retry = c.engines.open("/v1/completions");
   ASSERT_EQ(retry.size(), 1u) << "not sent after the first backoff";
-  FakeEngines::refuse(*retry[0], 429, full, "3");
+  FakeEngines::refuse(*retry[0], 429, kEngineFull, "3");
   c.clock.run_ready();
   c.clock.advance_by(milliseconds(39));  // the second's least jittered wait is half of 80 ms
   EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "the second backoff was no longer";
   c.clock.advance_by(milliseconds(41));
   retry = c.engines.open("/v1/completions");
   ASSERT_EQ(retry.size(), 1u) << "not sent after the second backoff";
-  FakeEngines::refuse(*retry[0], 429, full, "3");
+  FakeEngines::refuse(*retry[0], 429, kEngineFull, "3");
   c.clock.run_ready();
   EXPECT_EQ(client->status, 429);
   EXPECT_EQ(c.dispatcher.active(), 0u);
@@ -986,8 +987,6 @@ TEST(Dispatcher, EachRefusalBackoffWaitsLongerThanTheOneBefore) {
 // the backoff too, though another prefill engine is untried: the pair would meet the decode
 // engine's full queue again. Only the refusing engine's pool was judged: sent at once.
 TEST(Dispatcher, AParallelRetryWaitsTheBackoffWhereEitherPoolHasOnlyEnginesThatRefused) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   Topology t = disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d")});
   t.prefill_retries = 2;
   t.retry_backoff.first = milliseconds(40);
@@ -997,14 +996,14 @@ TEST(Dispatcher, AParallelRetryWaitsTheBackoffWhereEitherPoolHasOnlyEnginesThatR
   auto legs = c.engines.open("/v1/completions");
   ASSERT_EQ(legs.size(), 2u);
   ASSERT_EQ(host_of(*legs[1]), "d");
-  FakeEngines::refuse(*legs[1], 429, full, "3");
+  FakeEngines::refuse(*legs[1], 429, kEngineFull, "3");
   c.clock.run_ready();
   EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back to d";
   c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
   legs = c.engines.open("/v1/completions");
   ASSERT_EQ(legs.size(), 2u) << "not sent after the first backoff";
   const std::string refusing = host_of(*legs[0]);
-  FakeEngines::refuse(*legs[0], 503, full, "3");  // now the prefill engine is full
+  FakeEngines::refuse(*legs[0], 503, kEngineFull, "3");  // now the prefill engine is full
   c.clock.run_ready();
   EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent at once to d, which refused";
   c.clock.advance_by(milliseconds(80));  // the second backoff is at most 80 ms
@@ -1022,8 +1021,6 @@ TEST(Dispatcher, AParallelRetryWaitsTheBackoffWhereEitherPoolHasOnlyEnginesThatR
 // pool: with another decode engine untried it goes at once; with none, it waits the backoff, as
 // its decode leg would meet the same full queue.
 TEST(Dispatcher, ASequentialDecodeRefusalRestartsAfterTheBackoffOnlyWhereNoDecodeEngineIsLeft) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   const std::string prefilled = R"({"choices":[],"kv_transfer_params":{"remote_block_ids":[]}})";
   for (const bool another_decode_engine : {false, true}) {
     SCOPED_TRACE(another_decode_engine);
@@ -1040,7 +1037,7 @@ TEST(Dispatcher, ASequentialDecodeRefusalRestartsAfterTheBackoffOnlyWhereNoDecod
     auto legs = c.engines.open("/v1/completions");
     ASSERT_EQ(legs.size(), 1u);
     ASSERT_EQ(host_of(*legs[0]), "d1");
-    FakeEngines::refuse(*legs[0], 429, full, "3");
+    FakeEngines::refuse(*legs[0], 429, kEngineFull, "3");
     c.clock.run_ready();
     if (!another_decode_engine) {
       EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back to d1";
@@ -1064,9 +1061,7 @@ TEST(Dispatcher, ASequentialDecodeRefusalRestartsAfterTheBackoffOnlyWhereNoDecod
 // once retries are spent the client gets a 503 (the gateway's own OpenAI error quoting the body)
 // with the engine's Retry-After. It got a 502 without it, as for a failed engine.
 TEST(Dispatcher, AnEnginesRefusalWhoseBodyIsNoOpenAIErrorStaysA503WithItsRetryAfter) {
-  Topology t = aggregated({engine("a")});
-  t.prefill_retries = 0;
-  Cluster c(t);
+  Cluster c(one_engine_without_retries());
   auto client = c.send();
   FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 503, "Service Unavailable", "7");
   c.clock.run_ready();
@@ -1089,19 +1084,15 @@ TEST(Dispatcher, AnEnginesRefusalWhoseBodyIsNoOpenAIErrorStaysA503WithItsRetryAf
 // A request of several choices answered by its parts (ChoiceMerger) keeps the refusing engine's
 // Retry-After too.
 TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
-  Topology t = aggregated({engine("a")});
-  t.prefill_retries = 0;
-  Cluster c(t);
+  Cluster c(one_engine_without_retries());
   auto client = c.send_choices(2);
   auto legs = c.engines.open("/v1/completions");
   ASSERT_EQ(legs.size(), 2u);
-  FakeEngines::refuse(*legs[1], 503, full, "3");
+  FakeEngines::refuse(*legs[1], 503, kEngineFull, "3");
   c.clock.run_ready();
   EXPECT_EQ(client->status, 503);
   EXPECT_EQ(client->answers, 1);
-  EXPECT_EQ(client->body, full);
+  EXPECT_EQ(client->body, kEngineFull);
   EXPECT_EQ(client->retry_after, "3");
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
@@ -1109,8 +1100,6 @@ TEST(Dispatcher, AChoicesRefusalReachesItsClientWithTheEnginesRetryAfter) {
 // An engine's Retry-After reaches the client only as delay-seconds (at most a day) or an
 // IMF-fixdate: anything else ("soon", a negative number) is dropped, an excessive delay capped.
 TEST(Dispatcher, AnEnginesRetryAfterIsRelayedOnlyAsDelaySecondsOrAnHttpDate) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   const std::pair<std::string, std::string> cases[] = {
       {"3", "3"},
       {"soon", ""},
@@ -1124,12 +1113,10 @@ TEST(Dispatcher, AnEnginesRetryAfterIsRelayedOnlyAsDelaySecondsOrAnHttpDate) {
       {"Wed, 21 Oct 2015 07:28:00 UTC", ""},
       {"Tuesday, 21-Oct-15 07:28:00 GMT", ""},
   };
-  Topology t = aggregated({engine("a")});
-  t.prefill_retries = 0;
-  Cluster c(t);
+  Cluster c(one_engine_without_retries());
   for (const auto& [sent, relayed] : cases) {
     auto client = c.send();
-    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, full, sent);
+    FakeEngines::refuse(*c.engines.open("/v1/completions").at(0), 429, kEngineFull, sent);
     c.clock.run_ready();
     EXPECT_EQ(client->status, 429) << sent;
     EXPECT_EQ(client->retry_after, relayed) << sent;
@@ -1195,15 +1182,38 @@ const std::string kNoTokenStream = net::sse_event(kNoTokenError) + std::string(n
 
 const std::string kTokenEvent = net::sse_event(R"({"choices":[{"index":0,"text":"t"}]})");
 
-// Engines a and b (decode; p1, p2 prefill in the P/D modes), one failure ejects an engine, and
-// a failed attempt is retried once: a blamed engine would show, and so would a retry.
-Topology two_engines_each_ejected_at_one_failure(PdMode mode) {
-  Topology t = mode == PdMode::kAggregated
-                   ? aggregated({engine("a"), engine("b")})
-                   : disaggregated(mode, {engine("p1"), engine("p2")}, {engine("a"), engine("b")});
+// Engines' errors the parallel legs' tests answer with: a decode leg's whose room was never
+// filled (it names no code), SGLang's full queue (a refusal), and two client's errors.
+const std::string kRoomFailed =
+    R"({"error":{"message":"bootstrap room 7 failed","type":"server_error"}})";
+const std::string kQueueFull =
+    R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
+const std::string kPromptTooLong =
+    R"({"error":{"message":"the prompt is too long","type":"invalid_request_error"}})";
+const std::string kMaxTokensInvalid =
+    R"({"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}})";
+
+// One failure ejects an engine of `t`, and a failed attempt is retried once: a blamed engine
+// would show, and so would a retry.
+Topology each_ejected_at_one_failure(Topology t) {
   t.health.failures_to_eject = 1;
   t.prefill_retries = 1;
   return t;
+}
+
+// Engines a and b (decode; p1, p2 prefill in the P/D modes), each_ejected_at_one_failure.
+Topology two_engines_each_ejected_at_one_failure(PdMode mode) {
+  return each_ejected_at_one_failure(
+      mode == PdMode::kAggregated
+          ? aggregated({engine("a"), engine("b")})
+          : disaggregated(mode, {engine("p1"), engine("p2")}, {engine("a"), engine("b")}));
+}
+
+// Parallel mode with one prefill engine, p1, before decode engines a and b,
+// each_ejected_at_one_failure.
+Topology one_prefill_engine_each_ejected_at_one_failure() {
+  return each_ejected_at_one_failure(
+      disaggregated(PdMode::kParallel, {engine("p1")}, {engine("a"), engine("b")}));
 }
 
 // Every engine of the cluster is in, with no failure counted.
@@ -1213,6 +1223,16 @@ void expect_no_engine_blamed(const Cluster& c) {
     EXPECT_EQ(e.at("healthy"), true) << e;
     EXPECT_EQ(e.at("consecutive_failures"), 0) << e;
   }
+}
+
+// A parallel attempt's client error decided it: its two legs were all that was sent, nothing was
+// retried, the request was recorded 400, and no engine was blamed.
+void expect_decided_by_the_clients_error(Cluster& c) {
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
+  expect_no_engine_blamed(c);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // The answering leg's first event is the client's error: the client gets a 400 with the engine's
@@ -1334,10 +1354,6 @@ TEST(Dispatcher, AStreamsErrorEventIsNoTokenEvent) {
 // retried, and neither engine is counted failed. The decode engine's 502 told first was retried
 // and blamed it (ejected here).
 TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsFailureWhicheverTellsFirst) {
-  const std::string codeless =
-      R"({"error":{"message":"bootstrap room 7 failed","type":"server_error"}})";
-  const std::string too_long =
-      R"({"error":{"message":"the prompt is too long","type":"invalid_request_error"}})";
   for (const bool stream : {false, true})
     for (const bool prefill_refuses : {true, false})
       for (const bool refusal_first : {true, false}) {
@@ -1354,19 +1370,15 @@ TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsFailureWhicheverTellsFi
           if (stream)
             FakeEngines::stream(refusing, kNoTokenStream);
           else
-            FakeEngines::answer(refusing, 400, too_long);
+            FakeEngines::answer(refusing, 400, kPromptTooLong);
         };
         if (refusal_first) refuse();
-        FakeEngines::answer(failing, 502, codeless);
+        FakeEngines::answer(failing, 502, kRoomFailed);
         if (!refusal_first) refuse();
         c.clock.run_ready();
         EXPECT_EQ(client->status, 400);
-        EXPECT_EQ(client->body, stream ? kNoTokenError : too_long);
-        EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
-        EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
-        EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
-        expect_no_engine_blamed(c);
-        EXPECT_EQ(c.dispatcher.active(), 0u);
+        EXPECT_EQ(client->body, stream ? kNoTokenError : kPromptTooLong);
+        expect_decided_by_the_clients_error(c);
       }
 }
 
@@ -1378,17 +1390,11 @@ TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsFailureWhicheverTellsFi
 // gets the 503 with the engine's Retry-After). The decode engine's 502 told first was retried at
 // once, blamed that engine (ejected here), and ended in a 502.
 TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst) {
-  const std::string codeless =
-      R"({"error":{"message":"bootstrap room 7 failed","type":"server_error"}})";
-  const std::string full =
-      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
   for (const bool stream : {false, true})
     for (const bool refusal_first : {true, false}) {
       SCOPED_TRACE(testing::Message()
                    << "stream " << stream << ", refusal first " << refusal_first);
-      Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("a"), engine("b")});
-      t.health.failures_to_eject = 1;
-      t.prefill_retries = 1;
+      Topology t = one_prefill_engine_each_ejected_at_one_failure();
       t.retry_backoff.first = milliseconds(40);
       t.retry_backoff.max = milliseconds(400);
       Cluster c(t);
@@ -1399,12 +1405,12 @@ TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst)
         ASSERT_EQ(host_of(*legs[0]), "p1");
         auto refuse = [&] {
           if (stream)
-            FakeEngines::stream(*legs[0], net::sse_event(full) + std::string(net::kSseDone));
+            FakeEngines::stream(*legs[0], net::sse_event(kQueueFull) + std::string(net::kSseDone));
           else
-            FakeEngines::refuse(*legs[0], 503, full, "3");
+            FakeEngines::refuse(*legs[0], 503, kQueueFull, "3");
         };
         if (refusal_first) refuse();
-        FakeEngines::answer(*legs[1], 502, codeless);
+        FakeEngines::answer(*legs[1], 502, kRoomFailed);
         if (!refusal_first) refuse();
         c.clock.run_ready();
       };
@@ -1414,7 +1420,7 @@ TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst)
       c.clock.advance_by(milliseconds(40));  // the first backoff is at most 40 ms
       ASSERT_NO_FATAL_FAILURE(fail_both());
       EXPECT_EQ(client->status, 503);
-      EXPECT_EQ(client->body, full);
+      EXPECT_EQ(client->body, kQueueFull);
       EXPECT_EQ(client->retry_after, stream ? "" : "3");
       EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
       EXPECT_EQ(
@@ -1431,32 +1437,21 @@ TEST(Dispatcher, AParallelLegsRefusalWinsOverItsPairsFailureWhicheverTellsFirst)
 // first was retried, and once retries were spent the client got a 503 and, coming back, another
 // for as long as the prefill engine had no room: its 400 only once it had.
 TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsRefusalWhicheverTellsFirst) {
-  const std::string full =
-      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
-  const std::string invalid =
-      R"({"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}})";
   for (const bool refusal_first : {true, false}) {
     SCOPED_TRACE(testing::Message() << "refusal first " << refusal_first);
-    Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("a"), engine("b")});
-    t.health.failures_to_eject = 1;
-    t.prefill_retries = 1;
-    Cluster c(t);
+    Cluster c(one_prefill_engine_each_ejected_at_one_failure());
     auto client = c.send(false);
     auto legs = c.engines.open("/v1/completions");
     ASSERT_EQ(legs.size(), 2u);
     ASSERT_EQ(host_of(*legs[0]), "p1");
-    if (refusal_first) FakeEngines::refuse(*legs[0], 503, full, "3");
-    FakeEngines::answer(*legs[1], 400, invalid);
-    if (!refusal_first) FakeEngines::refuse(*legs[0], 503, full, "3");
+    if (refusal_first) FakeEngines::refuse(*legs[0], 503, kQueueFull, "3");
+    FakeEngines::answer(*legs[1], 400, kMaxTokensInvalid);
+    if (!refusal_first) FakeEngines::refuse(*legs[0], 503, kQueueFull, "3");
     c.clock.run_ready();
     EXPECT_EQ(client->status, 400);
-    EXPECT_EQ(client->body, invalid);
+    EXPECT_EQ(client->body, kMaxTokensInvalid);
     EXPECT_EQ(client->retry_after, "");
-    EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
-    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
-    EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
-    expect_no_engine_blamed(c);
-    EXPECT_EQ(c.dispatcher.active(), 0u);
+    expect_decided_by_the_clients_error(c);
   }
 }
 
@@ -1465,8 +1460,6 @@ TEST(Dispatcher, AParallelLegsClientErrorWinsOverItsPairsRefusalWhicheverTellsFi
 // The crossing 400 marked the attempt decided by the client's error, and the failed leg's
 // accounting, which follows its report, then counted it as no failure of its engine's.
 TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsHandledFailureChangesNothing) {
-  const std::string invalid =
-      R"({"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}})";
   Topology t =
       disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
   t.prefill_retries = 1;
@@ -1476,7 +1469,7 @@ TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsHandledFailureChangesNo
   ASSERT_EQ(legs.size(), 2u);
   ASSERT_EQ(host_of(*legs[0]), "p1");
   ASSERT_EQ(host_of(*legs[1]), "d1");
-  c.engines.answer_crossing_cancel = invalid;  // the prefill leg's answer crosses its cut
+  c.engines.answer_crossing_cancel = kMaxTokensInvalid;  // the prefill leg's answer crosses its cut
   c.engines.answer_crossing_cancel_status = 400;
   FakeEngines::answer(*legs[1], 500, "boom");
   c.clock.run_ready();
@@ -1496,8 +1489,6 @@ TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsHandledFailureChangesNo
 // refused the second; the third goes at once, to p1 and the other decode engine. p1's failure
 // counted as a refusal, and the third attempt waited the backoff.
 TEST(Dispatcher, AParallelRefusalBehindAPrefillEngineThatOnlyFailedIsRetriedAtOnce) {
-  const std::string full =
-      R"({"error":{"message":"The request queue is full.","type":"SERVICE_UNAVAILABLE","code":503}})";
   Topology t = disaggregated(PdMode::kParallel, {engine("p1")}, {engine("d1"), engine("d2")});
   t.prefill_retries = 2;
   Cluster c(t);
@@ -1511,7 +1502,7 @@ TEST(Dispatcher, AParallelRefusalBehindAPrefillEngineThatOnlyFailedIsRetriedAtOn
   ASSERT_EQ(legs.size(), 2u);
   ASSERT_EQ(host_of(*legs[0]), "p1");
   const std::string refusing = host_of(*legs[1]);
-  FakeEngines::refuse(*legs[1], 503, full, "3");
+  FakeEngines::refuse(*legs[1], 503, kQueueFull, "3");
   c.clock.run_ready();
   legs = c.engines.open("/v1/completions");
   ASSERT_EQ(legs.size(), 2u);  // no backoff: the clock did not move
@@ -2012,8 +2003,6 @@ TEST(Dispatcher, SequentialModePrefillsOnlyInAGroupThatCanDecode) {
 // no eligible decode engine is none the retry could go to. It was counted as untried, so a retry
 // after p0's 429 went straight back to p0 (the policy's fallback to the engines that refused).
 TEST(Dispatcher, ARefusalRetriedWhereOnlyAPrefillEngineOfAGroupThatCannotDecodeIsLeftWaits) {
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   Topology t = two_groups();
   t.prefill_retries = 1;
   t.retry_backoff.first = milliseconds(40);
@@ -2026,7 +2015,7 @@ TEST(Dispatcher, ARefusalRetriedWhereOnlyAPrefillEngineOfAGroupThatCannotDecodeI
   auto prefill = c.engines.open("/v1/completions");
   ASSERT_EQ(prefill.size(), 1u);
   ASSERT_EQ(host_of(*prefill[0]), "p0");
-  FakeEngines::refuse(*prefill[0], 429, full, "3");
+  FakeEngines::refuse(*prefill[0], 429, kEngineFull, "3");
   c.clock.run_ready();
   EXPECT_TRUE(c.engines.open("/v1/completions").empty()) << "sent straight back";
   c.clock.advance_by(milliseconds(40));
@@ -2405,10 +2394,6 @@ TEST(Dispatcher, ADecodeLegWhoseKvTransferFailedCountsAgainstItsPrefillEngine) {
 // own, whichever leg tells first: the refusal decides the attempt (a kv_transfer_failed otherwise
 // counts against the prefill engine).
 TEST(Dispatcher, AKvTransferFailedByAPrefillEnginesRefusalBlamesNoEngine) {
-  const std::string too_long =
-      R"({"error":{"message":"the prompt is too long","type":"invalid_request_error"}})";
-  const std::string full =
-      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
   for (const int status : {400, 503})
     for (const bool refusal_first : {true, false}) {
       SCOPED_TRACE(testing::Message() << status << ", refusal first " << refusal_first);
@@ -2420,7 +2405,9 @@ TEST(Dispatcher, AKvTransferFailedByAPrefillEnginesRefusalBlamesNoEngine) {
       ASSERT_EQ(legs.size(), 2u);
       ASSERT_EQ(host_of(*legs[0]), "p1");
       ASSERT_EQ(host_of(*legs[1]), "d1");
-      auto refuse = [&] { FakeEngines::answer(*legs[0], status, status == 400 ? too_long : full); };
+      auto refuse = [&] {
+        FakeEngines::answer(*legs[0], status, status == 400 ? kPromptTooLong : kEngineFull);
+      };
       if (refusal_first) refuse();
       FakeEngines::answer(*legs[1], 502, kv_transfer_failed_answer());
       if (!refusal_first) refuse();
@@ -2430,7 +2417,7 @@ TEST(Dispatcher, AKvTransferFailedByAPrefillEnginesRefusalBlamesNoEngine) {
           c.metric("tandem:gateway_endpoint_failures_total{pool=\"prefill\",endpoint=\"p1\"}"), 0);
       if (status == 400) {
         EXPECT_EQ(client->status, 400);
-        EXPECT_EQ(client->body, too_long);
+        EXPECT_EQ(client->body, kPromptTooLong);
       } else {
         c.answer_all("from the retry");
         EXPECT_EQ(client->status, 200);
