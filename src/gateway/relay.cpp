@@ -303,12 +303,16 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       r->streamed = true;
       r->outcome.status = 200;
       r->reply->start_stream(200, "text/event-stream");
-    } else if (error_event) {
+    } else if (error_event && l.body.empty()) {
       // The engine failed after the client got tokens (our engines and vLLM then send an error
       // event and [DONE]): relayed as it came, but the request failed, and so did the engine,
-      // unless the error is the client's (or a refusal).
-      if (error_event_status(data) == 0) l.engine_error = true;
-      if (l.body.empty()) l.body = std::string(data);
+      // unless the error is the client's or a refusal, whose status is the leg's outcome (a 429:
+      // the engine is full, neither its success nor its failure). The first error decides.
+      if (const int status = error_event_status(data); status > 0)
+        l.status = status;
+      else
+        l.engine_error = true;
+      l.body = std::string(data);
     }
     if (carries_tokens(data)) {
       ++token_events;

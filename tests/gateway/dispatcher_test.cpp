@@ -1182,6 +1182,10 @@ const std::string kNoTokenStream = net::sse_event(kNoTokenError) + std::string(n
 
 const std::string kTokenEvent = net::sse_event(R"({"choices":[{"index":0,"text":"t"}]})");
 
+// A rate limit as an engine behind a proxy may stream it (a refusal: error_event_status 429).
+const std::string kRateLimited =
+    R"({"error":{"message":"rate limit reached","type":"requests","code":429}})";
+
 // Engines' errors the parallel legs' tests answer with: a decode leg's whose room was never
 // filled (it names no code), SGLang's full queue (a refusal), and two client's errors.
 const std::string kRoomFailed =
@@ -1556,15 +1560,13 @@ TEST(Dispatcher, AChoicesMidStreamErrorIsRecordedForEveryChoiceAsItsErrorSays) {
 // as a 429 answer is: retried elsewhere and not counted toward the engine's ejection; once retries
 // are spent the client gets that 429 with the engine's error. It was the engine's failure.
 TEST(Dispatcher, ARateLimitAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
-  const std::string limited =
-      R"({"error":{"message":"rate limit reached","type":"requests","code":429}})";
   const std::string exceeded =
       R"({"error":{"message":"rate limit reached","type":"requests","code":"rate_limit_exceeded"}})";
   Cluster c(two_engines_each_ejected_at_one_failure(PdMode::kAggregated));
   auto client = c.send(true);
   auto first = c.engines.open("/v1/completions").at(0);
   ASSERT_EQ(host_of(*first), "a");
-  FakeEngines::stream(*first, net::sse_event(limited) + std::string(net::kSseDone));
+  FakeEngines::stream(*first, net::sse_event(kRateLimited) + std::string(net::kSseDone));
   c.clock.run_ready();
   const auto retry = c.engines.open("/v1/completions");
   ASSERT_EQ(retry.size(), 1u);
@@ -1578,6 +1580,42 @@ TEST(Dispatcher, ARateLimitAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
   EXPECT_FALSE(client->streaming);
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"429\"}"), 1);
   expect_no_engine_blamed(c);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A rate limit an engine streams after the client's stream began is relayed as it came (the
+// client's stream ends as the engine ended it), and the stream ended as the engine's refusal:
+// recorded 429, and counted as its engine being full, neither a success of its (which would clear
+// its failures) nor a failure toward its ejection. It was recorded 429 but counted the engine's
+// success.
+TEST(Dispatcher, ARateLimitMidStreamIsRecordedAndCountedAsTheEnginesRefusal) {
+  Topology t = aggregated({engine("a")});
+  t.health.failures_to_eject = 2;
+  t.prefill_retries = 0;
+  Cluster c(t);
+  c.dispatcher.dashboard_state();  // the dashboard is open: the requests' records are kept
+  // A failure of a's first: a success would clear it.
+  auto failed = c.send();
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500, "boom");
+  c.clock.run_ready();
+  ASSERT_TRUE(failed->complete());
+  ASSERT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  const std::string events =
+      kTokenEvent + net::sse_event(kRateLimited) + std::string(net::kSseDone);
+  FakeEngines::stream(*call, events);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(client->streamed, events);
+  EXPECT_TRUE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"429\"}"), 1);
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), 429) << record;
+  EXPECT_EQ(c.endpoint("a")["healthy"], true);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"a\"}"),
+            1);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
