@@ -17,6 +17,7 @@
 
 #include "api/model_list.h"
 #include "gateway/endpoints.h"
+#include "gateway/fake_upstream.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/policy.h"
 #include "gateway/prefix_index.h"
@@ -28,58 +29,6 @@ namespace {
 
 using nlohmann::json;
 using std::chrono::milliseconds;
-
-// Engines whose calls stay open until the test answers or ends them. cancel() ends a call at once.
-class Engines final : public Upstream {
- public:
-  struct Call {
-    CallId id = 0;
-    net::AsyncHttpRequest request;
-    net::AsyncHttpHandlers handlers;
-    bool done = false;
-  };
-
-  CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override {
-    calls_.push_back(
-        std::make_shared<Call>(Call{++next_, std::move(request), std::move(handlers)}));
-    return next_;
-  }
-  void cancel(CallId id) override {
-    for (const auto& c : calls_)
-      if (c->id == id) end(*c, "cancelled");
-  }
-  // The open calls to `host`'s `target`.
-  std::vector<std::shared_ptr<Call>> open(const std::string& host, const std::string& target) {
-    std::vector<std::shared_ptr<Call>> out;
-    for (const auto& c : calls_)
-      if (!c->done && c->request.host == host && c->request.target == target) out.push_back(c);
-    return out;
-  }
-  // Answers `host`'s one open call to `target`; false when there is none.
-  bool answer(const std::string& host, const std::string& target, int status,
-              const std::string& body) {
-    const auto calls = open(host, target);
-    if (calls.size() != 1) return false;
-    Call& c = *calls[0];
-    if (c.handlers.on_head) c.handlers.on_head(status, net::Headers{});
-    // A reader that wants no more ends the call, as the HTTP client does.
-    if (c.handlers.on_body && !c.handlers.on_body(body)) {
-      end(c, "cancelled");
-      return true;
-    }
-    end(c, "");
-    return true;
-  }
-  static void end(Call& c, const std::string& error) {
-    if (c.done) return;
-    c.done = true;
-    if (c.handlers.on_done) c.handlers.on_done(error);
-  }
-
- private:
-  CallId next_ = 0;
-  std::vector<std::shared_ptr<Call>> calls_;
-};
 
 Endpoint engine(const std::string& name) {
   Endpoint e;
@@ -141,7 +90,7 @@ struct Monitor {
   Topology topo;
   SaidOnce said;
   VirtualExecutor clock;
-  Engines engines;
+  FakeEngines engines;
   std::unique_ptr<Policy> policy = make_policy("least_load");
   PrefixIndex index;
   metrics::Registry registry;
@@ -381,7 +330,7 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
   const auto probes = m.engines.open("loading.engines", "/health");
   ASSERT_EQ(probes.size(), 1u);
   const int before = m.changes;
-  Engines::end(*probes[0], "connect: Connection refused");
+  FakeEngines::finish(*probes[0], "connect: Connection refused");
   m.clock.run_ready();
   EXPECT_FALSE(m.state("loading").healthy);
   EXPECT_TRUE(m.state("loading").unchecked);
@@ -425,7 +374,7 @@ TEST(HealthMonitor, TheLinesOfAJoiningEngineWhoseFirstProbeFailedSayItIsNotAdmit
   ::testing::internal::CaptureStderr();
   const auto probes = m.engines.open("loading.engines", "/health");
   ASSERT_EQ(probes.size(), 1u);
-  Engines::end(*probes[0], "connect: Connection refused");
+  FakeEngines::finish(*probes[0], "connect: Connection refused");
   m.clock.run_ready();
   EXPECT_EQ(::testing::internal::GetCapturedStderr(),
             "tandem gateway: engine loading (loading.engines:8000) not admitted: its first health "
