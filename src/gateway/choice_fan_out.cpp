@@ -285,7 +285,6 @@ bool ChoiceMerger::write(size_t i, std::string_view chunk) {
   {
     std::lock_guard lock(mutex_);
     PartData& p = parts_.at(i);
-    if (p.state == PartState::kEndedByError) return true;
     if (outcome_ != Outcome::kOpen || p.state != PartState::kStreaming) return false;
     p.parser.feed(chunk, [&](std::string_view data) {
       if (outcome_ == Outcome::kOpen) forward_event(i, data, later);
@@ -313,7 +312,9 @@ void ChoiceMerger::forward_event(size_t i, std::string_view data,
     // else the engine's failure.
     const int status = error_event_status(data);
     abandon(i, status > 0 ? status : 502);
-    p.state = PartState::kEndedByError;
+    // Nothing more of it is taken (its [DONE] neither): its engine may go on sending, and what
+    // comes after its error is no part of the answer. Its relay records it as its error says.
+    p.state = PartState::kFailed;
     later = take_callbacks(i);
     return;
   }

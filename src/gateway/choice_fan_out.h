@@ -74,11 +74,7 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
     kWaiting,    // nothing from its request yet
     kStreaming,  // its stream runs
     kDone,       // answered whole, or its stream ended with [DONE]
-    kFailed,     // refused, or its stream failed or was cut
-    // Its stream's own error event ended the client's (the answer failed with it): the rest of
-    // its stream (its [DONE]) is taken and dropped, so that its request ends as that error says,
-    // not as one whose client left.
-    kEndedByError,
+    kFailed,     // refused, or its stream failed (its error event) or was cut
   };
   enum class Outcome {
     kOpen,       // choices still to come

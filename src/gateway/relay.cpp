@@ -427,6 +427,11 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     // write, or its connection closed): 499 however that news arrived first; or because it shuts
     // down (Dispatcher::shut_down). A connection lost after the stream's [DONE] lost nothing.
     const bool client_left = l.gateway_cancelled.load() && !shutting_down;
+    // Once the engine's error event went out, the request ended as that error says, however its
+    // stream is then cut: a client that takes nothing after it (one that left, or the merger of
+    // an n > 1 request, which lets a choice go once it failed) was not cut off a whole answer.
+    const bool ended_by_error = client_left && !l.body.empty();
+    if (ended_by_error) reason.clear();
     if (!client_left && event_too_large(l, topo_.max_answer_bytes))
       reason = "an event of its stream is larger than " + size_text(topo_.max_answer_bytes) +
                ", the most this gateway holds for one";
@@ -461,10 +466,10 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     // Recorded first: cutting the stream closes the exchange, which reports a client gone.
     l.ended_request =
         dispatcher_.end_request(r, std::move(outcome), Dispatcher::Accounting::kWithLeg);
-    if (reason.empty()) {
-      r->reply->end();
-    } else if (client_left) {
+    if (client_left && (ended_by_error || !reason.empty())) {
       r->reply->abort();
+    } else if (reason.empty()) {
+      r->reply->end();
     } else {
       // The client has a 200 and part of an answer; it must not take that for the whole one.
       // The stream ends as a failing engine's does (vLLM's, ours): an OpenAI error event (after

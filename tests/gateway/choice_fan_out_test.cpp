@@ -459,10 +459,10 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithItsErrorThenDone) {
   ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
   ASSERT_TRUE(a->write(chunk("cmpl-y-0", "A1")));
   // The engine's own end of a failed stream (and the gateway's tail for a cut one): an error
-  // event, then [DONE], which the client gets once. The failed choice's [DONE] is taken (and
-  // dropped), so that its request ends as its error says, not as one whose client left.
+  // event, then [DONE], which the client gets once. Nothing after the failed choice's error is
+  // taken, its [DONE] neither (its relay records it as its error says).
   ASSERT_TRUE(b->write(net::sse_event(api::openai_error_body("engine died", "server_error"))));
-  EXPECT_TRUE(b->write(net::kSseDone));
+  EXPECT_FALSE(b->write(net::kSseDone));
   EXPECT_FALSE(b->end());
   EXPECT_TRUE(client->complete);
   EXPECT_EQ(a_closed, 1);
@@ -486,6 +486,31 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithItsErrorThenDone) {
   ASSERT_EQ(cut.size(), 3u);
   EXPECT_TRUE(api::openai_error_message(cut[1]).has_value());
   EXPECT_EQ(cut[2], "[DONE]");
+}
+
+// A choice whose stream failed (its error event) takes nothing more: an engine that goes on
+// sending after its error is cut (its relay ends the call), and the client's stream, which ended
+// with that error, gets none of it. The failed choice took and dropped every byte its engine sent.
+TEST(ChoiceMerger, AChoiceThatFailedMidStreamTakesNothingMore) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, 1);
+  auto a = merger->reply(0), b = merger->reply(1);
+  ASSERT_TRUE(a->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(b->write(chunk("cmpl-y-1", "B1")));
+  // The error and what follows it in the same piece: the piece is taken, the rest dropped.
+  ASSERT_TRUE(b->write(net::sse_event(api::openai_error_body("engine died", "server_error")) +
+                       chunk("cmpl-y-1", "B2")));
+  ASSERT_TRUE(client->complete);
+  const std::string ended = client->streamed;
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(b->write(chunk("cmpl-y-1", "B3"))) << i;
+  EXPECT_FALSE(b->write(net::kSseDone));
+  EXPECT_FALSE(b->end());
+  EXPECT_EQ(client->streamed, ended);
+  const auto got = events(client->streamed);
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(api::openai_error_message(got[1]), "engine died");
+  EXPECT_EQ(got[2], "[DONE]");
 }
 
 TEST(ChoiceMerger, AClientThatLeavesLetsGoOfTheUnfinishedChoicesOnce) {

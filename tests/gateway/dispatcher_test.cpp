@@ -1405,12 +1405,15 @@ TEST(Dispatcher, AParallelRefusalBehindAPrefillEngineThatOnlyFailedIsRetriedAtOn
 }
 
 // n > 1: a choice whose stream fails after the client's stream began ends the merged stream with
-// its error event, and every choice's request is recorded as that error says: the client's 400
-// (no engine blamed), or the engine's failure, 502. The failing choice was recorded 499 (its
-// [DONE] after the error was refused as by a client gone) and the others 502 whatever the error.
+// its error event, and every choice's request is recorded as that error says: the client's 400 or
+// a refusal's 429 (no engine blamed), or the engine's failure, 502. The failing choice was
+// recorded 499 (its [DONE] after the error was refused as by a client gone) and the others 502
+// whatever the error. Nothing after the error is read: the failing choice's call is ended at its
+// next bytes (an engine that went on sending was read to its end).
 TEST(Dispatcher, AChoicesMidStreamErrorIsRecordedForEveryChoiceAsItsErrorSays) {
   const std::pair<std::string, int> cases[] = {
       {kNoTokenError, 400},
+      {kRateLimited, 429},
       {api::openai_error_body("generation failed: boom", "server_error"), 502}};
   for (const auto& [error, status] : cases) {
     SCOPED_TRACE(status);
@@ -1423,10 +1426,11 @@ TEST(Dispatcher, AChoicesMidStreamErrorIsRecordedForEveryChoiceAsItsErrorSays) {
       ASSERT_TRUE(FakeEngines::piece(*l, kTokenEvent));
     }
     ASSERT_TRUE(FakeEngines::piece(*legs[1], net::sse_event(error)));
-    const bool done_taken = FakeEngines::piece(*legs[1], std::string(net::kSseDone));
-    FakeEngines::finish(*legs[1], done_taken ? "" : "cancelled");
+    // The engine goes on after its error: the gateway ends the call.
+    const bool more_taken = FakeEngines::piece(*legs[1], kTokenEvent + std::string(net::kSseDone));
+    FakeEngines::finish(*legs[1], more_taken ? "" : "cancelled");
     c.clock.run_ready();
-    EXPECT_TRUE(done_taken);
+    EXPECT_FALSE(more_taken);
     EXPECT_TRUE(legs[0]->cancelled);
     EXPECT_TRUE(client->complete());
     const std::string tail = net::sse_event(error) + std::string(net::kSseDone);
