@@ -27,11 +27,11 @@ class BodyCountingReply final : public ClientReply {
     const size_t size = body.size();  // before the body is moved on
     return count(size, reply_->respond(status, std::move(body), std::move(content_type)));
   }
+  // Written here as the gateway's server writes one (gateway.cpp's error_response), and handed
+  // on as an answer: the body is made once, and counted as the one the client is given.
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
-    // The body the gateway's server writes for it (gateway.cpp's error_response).
-    const size_t size = api::openai_error_response(status, message, type, code).body.size();
-    return count(size, reply_->send_error(status, message, type, code));
+    return respond_with_headers(api::openai_error_response(status, message, type, code));
   }
   bool respond_with_headers(net::HttpResponse response) override {
     const size_t size = response.body.size();

@@ -745,12 +745,14 @@ TEST(Dispatcher, AnEnginesErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
   EXPECT_EQ(page->error_type, "server_error");
   EXPECT_EQ(page->error_message,
             "engine a answered HTTP 500: <html> <body>Internal Server Error</body> </html>");
-  EXPECT_EQ(page->body, "");
+  // The gateway's own error (the engine's page was never the body).
+  EXPECT_EQ(page->body, api::openai_error_body(page->error_message, "server_error"));
 
   auto forbidden = answered(403, "Forbidden", "text/plain");
   EXPECT_EQ(forbidden->status, 403);
   EXPECT_EQ(forbidden->error_message, "engine a answered HTTP 403: Forbidden");
-  EXPECT_EQ(forbidden->body, "");
+  EXPECT_EQ(forbidden->body,
+            api::openai_error_body(forbidden->error_message, api::default_error_type(403)));
 
   // vLLM's and SGLang's other error shape: its message is quoted.
   auto sglang =
