@@ -929,6 +929,18 @@ TEST(ClusterSimulation, SlowLinkFaultsOnOneEngineDoNotCancelEachOther) {
   }
 }
 
+// P/D with one decode engine whose KV transfers take seconds (a 200-token prompt's over 5 s at
+// 1 MB/s), bounded by `kv_transfer_timeout_s`, under gateway timeouts that end no request first.
+SimulationOptions slow_transfer_options(gateway::PdMode mode, int prefill,
+                                        double kv_transfer_timeout_s) {
+  auto o = pd_options(mode, prefill, 1, "deepseek-v3-h800");
+  o.kv_link.bytes_per_s = 1e6;
+  o.kv_transfer_timeout_s = kv_transfer_timeout_s;
+  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+      std::chrono::seconds(10000);
+  return o;
+}
+
 TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
   // A stall is the engine frozen whole, as bench/chaos.sh stops it (SIGSTOP): its KV transfer
   // threads too. A transfer under way when either engine of its link stalls stops, and goes on
@@ -940,11 +952,7 @@ TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
   for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel})
     for (const std::string stalled : {"", "prefill-0", "decode-0"}) {
       SCOPED_TRACE(std::string(gateway::mode_name(mode)) + " " + stalled);
-      auto o = pd_options(mode, 1, 1, "deepseek-v3-h800");
-      o.kv_link.bytes_per_s = 1e6;
-      o.kv_transfer_timeout_s = 1e5;
-      o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
-          std::chrono::seconds(10000);
+      auto o = slow_transfer_options(mode, 1, 1e5);
       const double stall_s = stalled.empty() ? 0 : 1.5;
       if (!stalled.empty()) o.faults = {{Fault::Kind::kStall, stalled, 3.0, stall_s}};
       const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
@@ -975,14 +983,10 @@ TEST(ClusterSimulation, ATransferFrozenByAStallLongerThanTheTransferTimeoutFails
   for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel})
     for (const std::string stalled : {"prefill-0", "decode-0"}) {
       SCOPED_TRACE(std::string(gateway::mode_name(mode)) + " " + stalled);
-      auto o = pd_options(mode, 2, 1, "deepseek-v3-h800");
+      auto o = slow_transfer_options(mode, 2, 1);
       o.gateway.policy = "cache_aware";  // prefill-0 first (both idle), then where the prefix is
       const auto path = test::scratch_path("tandem_sim_frozen_transfer", ".log");
       o.gateway.access_log = path.string();
-      o.kv_link.bytes_per_s = 1e6;
-      o.kv_transfer_timeout_s = 1;
-      o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
-          std::chrono::seconds(10000);
       o.faults = {{Fault::Kind::kStall, stalled, 3.0, 1.5}};
       const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
       ASSERT_TRUE(run.results[0].success) << run.results[0].error;
@@ -1014,14 +1018,10 @@ TEST(ClusterSimulation,
   // B, sent at 11 s while it is out, goes to prefill-1 and does not wait for the wake. It wakes at
   // 13 s, its probe of 14 s readmits it, and it serves again: later requests take turns on both.
   // Nothing is lost and every block is free at the end.
-  auto o = pd_options(gateway::PdMode::kParallel, 2, 1, "deepseek-v3-h800");
+  auto o = slow_transfer_options(gateway::PdMode::kParallel, 2, 1);
   o.gateway.policy = "round_robin";  // prefill-0 first
   const auto path = test::scratch_path("tandem_sim_stalled_room", ".log");
   o.gateway.access_log = path.string();
-  o.kv_link.bytes_per_s = 1e6;
-  o.kv_transfer_timeout_s = 1;
-  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
-      std::chrono::seconds(10000);
   o.faults = {{Fault::Kind::kStall, "prefill-0", 3.0, 10.0}};
   std::vector<bench::BenchRequest> reqs = {request(0, words(200, 3), 4),
                                            request(11, words(20, 7), 4)};
