@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/dashboard.h"
 #include "gateway/front_end.h"
 #include "gateway/policy.h"
 #include "util/error.h"
@@ -207,9 +208,16 @@ void AdminApi::add_routes(net::HttpServer& server) {
   });
   server.route("GET", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
     if (!admin_key_accepted(topo_, req, *ex)) return;
-    exec_.post([this, ex] {
-      answered(*ex, [&] { ex->respond(200, dispatcher_.endpoints_json().dump()); });
-    });
+    // Every replica's view: each has its own requests on an engine and its own health verdict
+    // (an engine one replica ejected is still sent to by the others), merged as the dashboard's.
+    apply(
+        std::move(ex),
+        [](Dispatcher& dispatcher) {
+          return Applied{200, dispatcher.endpoints_json(), {}};
+        },
+        [](json& first, const json& next) {
+          merge_endpoint_lists(first["endpoints"], next.at("endpoints"));
+        });
   });
   server.route("POST", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
     if (admin_key_accepted(topo_, req, *ex)) add(req, ex);

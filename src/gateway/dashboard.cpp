@@ -1,6 +1,7 @@
 #include "gateway/dashboard.h"
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -69,9 +70,10 @@ void merge_endpoint(json& into, const json& next) {
 
 // An engine's entry across replicas: removed and added again at once, one name can have a
 // draining entry beside the new one.
-auto endpoint_key(const json& e) {
-  return std::tuple{e.value("name", ""), e.value("pool", ""), e.value("host", ""),
-                    e.value("port", 0), e.value("draining", false)};
+using EndpointKey = std::tuple<std::string, std::string, std::string, int, bool>;
+EndpointKey endpoint_key(const json& e) {
+  return {e.value("name", ""), e.value("pool", ""), e.value("host", ""), e.value("port", 0),
+          e.value("draining", false)};
 }
 
 void merge_histogram(json& into, const json& next) {
@@ -104,21 +106,27 @@ bool dashboard_key_accepted(const Topology& topo, const net::HttpRequest& req, n
 
 }  // namespace
 
+void merge_endpoint_lists(json& into, const json& next) {
+  if (!into.is_array()) into = json::array();
+  if (!next.is_array()) return;
+  // Each entry's key made once: a search of `into` for each of next's made O(E^2) of them, a
+  // tuple of strings each, on every poll of a stack with E engines.
+  std::map<EndpointKey, size_t> at;
+  for (size_t i = 0; i < into.size(); ++i) at.emplace(endpoint_key(into[i]), i);
+  for (const json& e : next) {
+    const auto [same, added] = at.emplace(endpoint_key(e), into.size());
+    if (added)
+      into.push_back(e);
+    else
+      merge_endpoint(into[same->second], e);
+  }
+}
+
 void merge_dashboard_state(json& into, const json& next) {
   add(into, next, "waiting");
   add(into, next, "running");
   keep_max(into, next, "time_unix_ms");
-  json& endpoints = into["endpoints"];
-  if (!endpoints.is_array()) endpoints = json::array();
-  for (const json& e : next.value("endpoints", json::array())) {
-    const auto same = std::find_if(endpoints.begin(), endpoints.end(), [&](const json& mine) {
-      return endpoint_key(mine) == endpoint_key(e);
-    });
-    if (same == endpoints.end())
-      endpoints.push_back(e);
-    else
-      merge_endpoint(*same, e);
-  }
+  merge_endpoint_lists(into["endpoints"], next.value("endpoints", json::array()));
   json& totals = into["totals"];
   if (!totals.is_object()) totals = json::object();
   if (const auto t = next.find("totals"); t != next.end() && t->is_object()) {

@@ -30,6 +30,11 @@ std::string_view dashboard_page();
 // the requests every replica has on it; it is shown healthy only where every replica finds it
 // so, with the freshest load report.
 void merge_dashboard_state(nlohmann::json& into, const nlohmann::json& next);
+// Adds another replica's list of engines (Dispatcher::endpoints_json's "endpoints") to `into`, as
+// merge_dashboard_state merges them: each engine once (by name, pool, address and draining), in
+// the order they were first listed, with every replica's requests on it, and healthy only where
+// every replica finds it so.
+void merge_endpoint_lists(nlohmann::json& into, const nlohmann::json& next);
 
 class Dashboard {
  public:

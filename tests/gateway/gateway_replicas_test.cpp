@@ -513,11 +513,12 @@ TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
       tandem::testing::eventually([&] { return lines(log) + lines(log.string() + ".1") == 30; }));
   EXPECT_GT(lines(log), 0);
   EXPECT_GT(lines(log.string() + ".1"), 0);
-  // Each holds half of the engine's in-flight limit (256 by default).
+  // Each holds half of the engine's in-flight limit (256 by default): the stack's entry sums
+  // the replicas' shares to the engine's limit (each holding it whole would show 512).
   net::Headers h;
   h.set("Authorization", "Bearer admin");
   const auto r = net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, h);
-  EXPECT_EQ(json::parse(r.body)["endpoints"][0]["max_in_flight"], 128) << r.body;
+  EXPECT_EQ(json::parse(r.body)["endpoints"][0]["max_in_flight"], 256) << r.body;
   // Each replica's /metrics samples carry its gateway_replica, and a scrape of the shared port
   // (whichever replica it reaches) shows both replicas' series, told apart.
   for (int i = 0; i < 4; ++i) {
@@ -709,6 +710,79 @@ TEST(GatewayReplicas, TwoDashboardStatesMergeIntoTheStacks) {
   EXPECT_EQ(a["histograms"]["e2e"]["cumulative"], (json{2, 4, 6}));
   EXPECT_EQ(a["histograms"]["e2e"]["count"], 6);
   EXPECT_EQ(a["histograms"]["e2e"]["sum"], 3.0);
+}
+
+// Three replicas' lists of engines merge into one entry per engine (name, pool, address and
+// draining tell entries apart: a draining "e" beside its successor), in the order each was first
+// listed, whatever order each replica lists them in; each merged entry sums the replicas' requests
+// and is healthy only where all find it so. (The merge searched the list for every entry; the
+// output is the same.)
+TEST(GatewayReplicas, SeveralReplicasEngineListsMergeIntoOneEntryPerEngine) {
+  const auto entry = [](const std::string& name, const std::string& pool, int port, bool draining,
+                        int in_flight, bool healthy) {
+    return json{{"name", name},           {"pool", pool},         {"host", "h"},
+                {"port", port},           {"draining", draining}, {"healthy", healthy},
+                {"in_flight", in_flight}, {"max_in_flight", 4},   {"consecutive_failures", 0}};
+  };
+  json merged =
+      json::array({entry("e", "decode", 1, true, 1, true), entry("e", "decode", 2, false, 2, true),
+                   entry("p", "prefill", 3, false, 3, true)});
+  merge_endpoint_lists(merged, json::array({entry("p", "prefill", 3, false, 10, true),
+                                            entry("f", "decode", 4, false, 20, true),
+                                            entry("e", "decode", 2, false, 30, false)}));
+  merge_endpoint_lists(merged, json::array({entry("g", "decode", 5, false, 100, true),
+                                            entry("e", "decode", 2, false, 200, true),
+                                            entry("e", "decode", 1, true, 300, true),
+                                            entry("e", "prefill", 2, false, 400, true)}));
+  json expected = json::array(
+      {entry("e", "decode", 1, true, 301, true), entry("e", "decode", 2, false, 232, false),
+       entry("p", "prefill", 3, false, 13, true), entry("f", "decode", 4, false, 20, true),
+       entry("g", "decode", 5, false, 100, true), entry("e", "prefill", 2, false, 400, true)});
+  // Each replica's share of an engine's limit, summed: e (port 2) is in all three lists.
+  expected[0]["max_in_flight"] = 8;
+  expected[1]["max_in_flight"] = 12;
+  expected[2]["max_in_flight"] = 8;
+  EXPECT_EQ(merged, expected) << merged.dump(1);
+  // The dashboard's state merges its engines so.
+  json state = {{"endpoints", json::array({entry("e", "decode", 1, false, 1, true)})}};
+  merge_dashboard_state(state,
+                        {{"endpoints", json::array({entry("f", "decode", 2, false, 2, true),
+                                                    entry("e", "decode", 1, false, 3, true)})}});
+  json merged_e = entry("e", "decode", 1, false, 4, true);
+  merged_e["max_in_flight"] = 8;
+  EXPECT_EQ(state["endpoints"], json::array({merged_e, entry("f", "decode", 2, false, 2, true)}))
+      << state["endpoints"];
+}
+
+// GET /admin/endpoints answered for the replica a connection reached: an engine that replica
+// had not ejected showed healthy, though another replica no longer sent it anything (and the
+// in-flight counts were that replica's share). In one AdminReplicas set, either answers for the
+// stack, merged as the dashboard's state is.
+TEST(GatewayReplicas, TheEnginesOfAnyReplicaShowEveryReplicasVerdict) {
+  testing::FakeEngine engine("e");
+  engine.set(testing::Behaviour::kError500);
+  Topology t = in_front_of(engine, "e");
+  t.admin_api_key = "admin";
+  t.prefill_retries = 0;
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = std::chrono::hours(1);  // no probe readmits it meanwhile
+  const auto set = std::make_shared<AdminReplicas>(2);
+  Gateway first(t, {}, set), second(t, {}, set);
+  first.start();
+  second.start();
+  // The first replica's request fails: it ejects the engine; the second never sent it one.
+  const auto r = tandem::testing::post_json(first.port(), "/v1/completions",
+                                            {{"model", "m"}, {"prompt", "hi"}});
+  ASSERT_NE(r.status, 200) << r.body;
+  ASSERT_TRUE(tandem::testing::eventually(
+      [&] { return endpoint_entry(first.port(), "e").value("healthy", true) == false; }));
+  for (const Gateway* g : {&first, &second}) {
+    const json e = endpoint_entry(g->port(), "e");
+    EXPECT_EQ(e.value("healthy", true), false) << e;
+    EXPECT_EQ(e.value("consecutive_failures", 0), 1) << e;
+    EXPECT_EQ(e.value("in_flight", -1), 0) << e;
+    EXPECT_EQ(e.value("max_in_flight", 0), 2 * t.decode.max_in_flight) << e;
+  }
 }
 
 }  // namespace
