@@ -709,8 +709,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     net_.clock_.cancel(r.timeout);
     r.decode->endpoint->registered_.erase(room);
     r.decode->endpoint->finish_fetch(r.decode->request_id, prefills_fault(why));
-    const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
-                             " closed its connection (its request ended)";
+    const std::string gone = decode_closed_text(room);
     if (r.claim == 0) {
       at(now_s() + net_.link_.latency_s,
          [this, room, hash = r.decode->prompt_hash, tokens = r.decode->prompt_tokens, gone] {
@@ -777,12 +776,25 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     f.expiry = at(now_s() + config_.timeout_s, [this, room] { refusals_.erase(room); });
   }
 
-  // Prefill side: the decode leg of `room` went away.
+  // Prefill side: the decode leg of `room` went away (its request ended, closing its connection).
+  // As the live agent's serve_register: the room's prefill leg fails as abandoned, or, with none
+  // there yet, one of its prompt that comes within the timeout is refused so.
   void decode_gone(uint64_t room, const std::string& request_id) {
     auto it = rooms_.find(room);
     if (it == rooms_.end() || !it->second.decode || it->second.decode->request_id != request_id)
       return;
-    fail_room(room, "the decode leg of bootstrap room " + std::to_string(room) + " went away");
+    const bool had_prefill = it->second.claim != 0;
+    const uint64_t hash = it->second.decode->prompt_hash;
+    const int64_t tokens = it->second.decode->prompt_tokens;
+    const std::string why = decode_closed_text(room);
+    fail_room(room, why, true);
+    if (!had_prefill) leave_refusal(room, hash, tokens, why);
+  }
+  // What the prefill side says of a room whose decode engine closed its connection, in the live
+  // agent's words.
+  static std::string decode_closed_text(uint64_t room) {
+    return "the decode engine of bootstrap_room " + std::to_string(room) +
+           " closed its connection (its request ended)";
   }
 
   Room* find_room(uint64_t room, uint64_t claim) {

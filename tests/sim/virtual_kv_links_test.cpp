@@ -481,6 +481,41 @@ TEST_F(VirtualKvLinks, APrefillLegArrivingAfterTheDecodeGaveUpIsRefusedAtOnce) {
   EXPECT_FALSE(late.ok.has_value());
 }
 
+// A registered decode leg whose request ends (cancel_fetch closes its connection): live, the
+// prefill engine fails its room's prefill leg as abandoned, with the closed connection's text, or,
+// with none there yet, refuses one of that prompt that comes later, as abandoned
+// (kv_transfer_test's a_decode_that_leaves_mid_transfer_fails_the_room and
+// a_decode_that_left_before_the_prefill_leg_has_it_refused).
+TEST_F(VirtualKvLinks, ADecodeLegThatLeavesEndsItsRoomAsAbandoned) {
+  // Room 7: its prefill leg is there. Room 8: its prefill leg comes after the decode leg left.
+  RoomEnd left;
+  ASSERT_NE(prefill_->open_room(7, 1234, 8, room_end(left)), 0u);
+  FetchEnd fetched_7, fetched_8;
+  decode_->fetch(registration(), fetch_end(fetched_7));
+  engine::KvFetch f = registration();
+  f.room = 8;
+  f.request_id = "registered-8";
+  decode_->fetch(f, fetch_end(fetched_8));
+  run_until(1);
+  decode_->cancel_fetch("registered");
+  decode_->cancel_fetch("registered-8");
+  run_until(2);
+  EXPECT_EQ(left.ok, std::optional<bool>(false));
+  EXPECT_EQ(left.error,
+            "the decode engine of bootstrap_room 7 closed its connection (its request ended)");
+  EXPECT_TRUE(left.abandoned);
+
+  RoomEnd late;
+  try {
+    prefill_->open_room(8, 1234, 8, room_end(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg left";
+  } catch (const KvTransferError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the decode engine of bootstrap_room 8 closed its connection (its request ended)");
+    EXPECT_TRUE(e.room_abandoned);
+  }
+}
+
 // A prefill engine whose timeout (10 s) is shorter than the decode engine's (30 s) times out a
 // room whose prefill leg has not come first: live, serve_register refuses the decode leg (the
 // prefill engine's answer, not its fault) and leaves the room a refusal, so that a prefill leg of
