@@ -687,9 +687,14 @@ bool Engine::step() {
       finish(seq, reason, {}, /*notified=*/true);  // answered when its room's transfer ends
       continue;
     }
-    const bool finished = o.finished;
-    if (seq->request.on_output) seq->request.on_output(o);
-    if (finished) finish(seq, reason, {}, /*notified=*/true);
+    if (!o.finished) {
+      if (seq->request.on_output) seq->request.on_output(o);
+      continue;
+    }
+    // Counted before it is answered (finish may drop the sequence, so its callback is kept).
+    const auto on_output = seq->request.on_output;
+    finish(seq, reason, {}, /*notified=*/true);
+    if (on_output) on_output(o);
   }
   if (any_output) metrics_->iteration_tokens.observe(double(iteration_tokens));
   update_gauges();
@@ -714,18 +719,7 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   // Blocks a transfer still reads or writes stay until it reports back.
   const bool keep_blocks = pd_ && pd_->ending(seq, error.empty() ? reason : error);
   scheduler_.remove(seq, keep_blocks);
-  if (!notified && seq->request.on_output) {
-    RequestOutput o;
-    o.finished = true;
-    o.finish_reason = reason;
-    o.error = error;
-    o.error_status = error_status;
-    o.error_code = error_code;
-    o.prompt_tokens = seq->num_prompt;
-    o.completion_tokens = seq->num_generated();
-    o.cached_tokens = seq->num_cached;
-    seq->request.on_output(o);
-  }
+  // Counted before the answer is posted: a client that reads /metrics once answered sees it.
   // A prefill leg failed because its decode leg abandoned the room (its client left, most often)
   // is no failure of this engine's: counted as vLLM counts a request given up, while its answer
   // keeps the error that tells the gateway so.
@@ -739,6 +733,18 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
     metrics_->inference_time.observe(seq->last_token_time - seq->first_scheduled_time);
   }
   observe_finished(*seq);
+  if (!notified && seq->request.on_output) {
+    RequestOutput o;
+    o.finished = true;
+    o.finish_reason = reason;
+    o.error = error;
+    o.error_status = error_status;
+    o.error_code = error_code;
+    o.prompt_tokens = seq->num_prompt;
+    o.completion_tokens = seq->num_generated();
+    o.cached_tokens = seq->num_cached;
+    seq->request.on_output(o);
+  }
   if (pd_ && pd_->outlives_end(seq)) return;  // its fetch still runs: dropped when it ends
   if (seq->kv_state == KvTransferState::kParked) {
     // The cache keeps the parked blocks under this id, and the transfer frees them by it: a new

@@ -344,6 +344,32 @@ TEST_F(EngineMetrics, ARequestAbortedBeforeItsFirstStepHasNoInferenceTime) {
   EXPECT_EQ(histogram(m, "vllm:request_inference_time_seconds").count, 0);
 }
 
+// A request is counted before its last output is handed on: a client that reads /metrics once
+// answered (the engine thread posts the answer to the HTTP thread, which renders /metrics) finds
+// it there, whether it ran to its length or was aborted while waiting.
+TEST_F(EngineMetrics, ARequestIsCountedBeforeItsLastOutputIsHandedOn) {
+  std::map<std::string, double> seen;  // request id -> its reason's count when it was answered
+  auto submit_reading = [&](const std::string& id) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = {1000, 2000, 3000};
+    r.sampling.max_tokens = 2;
+    r.on_output = [&, id](const RequestOutput& o) {
+      if (!o.finished) return;
+      const json counts = family(scrape(), "vllm:request_success", "counter");
+      for (const auto& s : counts["samples"])
+        if (s["labels"]["finished_reason"] == o.finish_reason) seen[id] = number(s["value"]);
+    };
+    engine_->submit(std::move(r));
+  };
+  submit_reading("runs");
+  run_until_idle();
+  submit_reading("gone");
+  engine_->abort("gone");
+  run_until_idle();
+  EXPECT_EQ(seen, (std::map<std::string, double>{{"gone", 1}, {"runs", 1}}));
+}
+
 // Every finished reason vLLM knows is a series from the start, at 0, so that rate() and
 // increase() see the first abort or error.
 TEST_F(EngineMetrics, EveryFinishedReasonIsASeriesFromTheStart) {
