@@ -358,7 +358,8 @@ namespace {
 // they compute, so a model gives the same logits on every CPU. The activations are quantised per
 // token as quantize_u8_rows does (scale max|x| / 127, round to nearest, clamp to +-127) and kept
 // as float32 integers; the float kernels multiply them by the INT8 rows (each product exact, the
-// sums exact up to 2^24) and the row scales, then the token's scale is applied.
+// sums exact up to 2^24; the widened GEMM's rows carry their scale already, so there it is the
+// W8A8 product to float32 rounding) and the row scales, then the token's scale is applied.
 void matmul_int8_on_float_kernels(const Matrix& w, const float* x, int64_t n, float* y) {
   thread_local std::vector<float> xq;
   thread_local std::vector<float> xs;
@@ -378,6 +379,7 @@ void matmul_int8_on_float_kernels(const Matrix& w, const float* x, int64_t n, fl
   }
   if (batch_invariant() || n < kWidenMinTokens || !matmul_widened(w, xqp, n, y))
     matmul_f32_activations(w, xqp, n, y);
+#pragma omp parallel for schedule(static) if (n * w.rows > (1 << 16))
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < w.rows; ++r) y[t * w.rows + r] *= xsp[t];
 }
