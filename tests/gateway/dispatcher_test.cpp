@@ -163,6 +163,13 @@ Topology one_engine_without_retries() {
   return t;
 }
 
+// `t` whose engines are ejected at their first failure and probed every second.
+Topology probed_every_second(Topology t) {
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  return t;
+}
+
 // Sequential P/D with one prefill engine `p` that is a Tandem engine (it holds the prompt's KV for
 // its decode leg and takes releases) and one decode engine `d`.
 Topology tandem_sequential_pair() {
@@ -1888,6 +1895,12 @@ void probes_answer(Cluster& c, const std::set<std::string>& down = {}) {
   c.clock.run_ready();
 }
 
+// Starts the cluster's health checks and passes every engine's first probe.
+void start_probes(Cluster& c) {
+  c.health.start();
+  probes_answer(c);
+}
+
 // Two groups, each with a prefill and a decode engine, sequential mode, engines ejected at their
 // first failed probe.
 Topology two_groups(int64_t p0_limit = 0) {
@@ -2471,8 +2484,7 @@ TEST(Dispatcher, AKvTransferFailedByAPrefillEngineThatPassesItsProbesIsOverload)
   t.health.failures_to_eject = 1;
   t.health.probe_interval = milliseconds(1000);
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto client = c.send();
   auto legs = c.engines.open("/v1/completions");
   ASSERT_EQ(legs.size(), 2u);
@@ -4624,12 +4636,9 @@ TEST(HealthMonitor, AnOverloadedEngineIsNotEjected) {
 // engine (503 naming why), as a leg's failure that ejects it does. Only a readmission
 // re-dispatched the queue: a request waited for its queue timeout or another leg's end.
 TEST(HealthMonitor, AnEjectionAnswersTheRequestsItLeavesWithoutAnEngine) {
-  Topology t = aggregated({engine("a", 0, 1)});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(aggregated({engine("a", 0, 1)}));
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto running = c.send();
   auto waiting = c.send();
   ASSERT_EQ(c.dispatcher.waiting(), 1u);
@@ -4651,12 +4660,9 @@ TEST(HealthMonitor, AnEjectionAnswersTheRequestsItLeavesWithoutAnEngine) {
 // its leg: an ejection may be late probes of a loaded engine whose streams still move.
 TEST(HealthMonitor, AnEjectionRetriesElsewhereTheLegsOnItsEngineThatSentNothing) {
   for (const bool streaming : {false, true}) {
-    Topology t = aggregated({engine("a"), engine("b")});
-    t.health.failures_to_eject = 1;
-    t.health.probe_interval = milliseconds(1000);
+    Topology t = probed_every_second(aggregated({engine("a"), engine("b")}));
     Cluster c(t);
-    c.health.start();
-    probes_answer(c);
+    start_probes(c);
     auto client = c.send(streaming);
     auto leg = c.engines.open("/v1/completions");
     ASSERT_EQ(leg.size(), 1u);
@@ -4692,12 +4698,9 @@ TEST(HealthMonitor, AnEjectionRetriesElsewhereTheLegsOnItsEngineThatSentNothing)
 // An engine ejected for failed requests that still answers its probes (a loaded one) may still
 // be working through the legs it holds: they are not cut until its probes fail too.
 TEST(HealthMonitor, AnEngineEjectedForFailedRequestsKeepsItsLegsUntilItsProbesFail) {
-  Topology t = aggregated({engine("a"), engine("b")});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(aggregated({engine("a"), engine("b")}));
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto client = c.send();
   auto leg = c.engines.open("/v1/completions");
   ASSERT_EQ(leg.size(), 1u);
@@ -4721,14 +4724,11 @@ TEST(HealthMonitor, AnEngineEjectedForFailedRequestsKeepsItsLegsUntilItsProbesFa
 // overwrote it, and the whole-answer timeout then answered 504 "not retried" for a leg that the
 // ejection had cut: the client got a timeout from an engine the gateway had given up on.
 TEST(HealthMonitor, ALegCutForAnEjectionKeepsThatReasonWhenItsDeadlinePassesBeforeItEnds) {
-  Topology t = aggregated({engine("a"), engine("b")});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(aggregated({engine("a"), engine("b")}));
   t.timeouts.first_token = milliseconds(1500);
   t.prefill_retries = 0;
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto client = c.send();
   auto leg = c.engines.open("/v1/completions");
   ASSERT_EQ(leg.size(), 1u);
@@ -4751,13 +4751,10 @@ TEST(HealthMonitor, ALegCutForAnEjectionKeepsThatReasonWhenItsDeadlinePassesBefo
 // request retried on another engine (the ejection) or answered 504 (the deadline).
 TEST(HealthMonitor, AWholeAnswerThatCrossesItsLegsCutIsRelayed) {
   for (const bool ejected : {true, false}) {
-    Topology t = aggregated({engine("a"), engine("b")});
-    t.health.failures_to_eject = 1;
-    t.health.probe_interval = milliseconds(1000);
+    Topology t = probed_every_second(aggregated({engine("a"), engine("b")}));
     t.timeouts.first_token = milliseconds(ejected ? 5000 : 500);
     Cluster c(t);
-    c.health.start();
-    probes_answer(c);
+    start_probes(c);
     auto client = c.send();
     auto leg = c.engines.open("/v1/completions");
     ASSERT_EQ(leg.size(), 1u) << ejected;
@@ -4782,12 +4779,10 @@ TEST(HealthMonitor, AWholeAnswerThatCrossesItsLegsCutIsRelayed) {
 // cut of its engine's ejection. The decode stage takes that KV; the prompt was prefilled again on
 // another engine, and the KV of the first prefill stayed held on p1, released by nobody.
 TEST(HealthMonitor, AWholePrefillAnswerThatCrossesItsLegsCutIsUsed) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(
+      disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto client = c.send();
   auto prefill = c.engines.open("/v1/completions");
   ASSERT_EQ(prefill.size(), 1u);
@@ -4811,8 +4806,7 @@ TEST(HealthMonitor, ADrainLetsTheLegsOnItsEngineFinish) {
   Topology t = aggregated({engine("a"), engine("b")});
   t.health.probe_interval = milliseconds(1000);
   Cluster c(t);
-  c.health.start();
-  probes_answer(c);
+  start_probes(c);
   auto client = c.send();
   auto leg = c.engines.open("/v1/completions").at(0);
   ASSERT_EQ(host_of(*leg), "a");
@@ -4865,9 +4859,7 @@ TEST(Dispatcher, OneOffCallsGoToNoEngineThatHasNotPassedItsFirstCheck) {
 // probe at probe_timeout and is probed again. Its probe stayed open, and the engine was never
 // judged again.
 TEST(HealthMonitor, AProbeThatNeverEndsFailsAtTheProbeTimeout) {
-  Topology t = aggregated({engine("a")});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(aggregated({engine("a")}));
   t.health.probe_timeout = milliseconds(500);
   Cluster c(t);
   c.health.start();
@@ -4887,9 +4879,7 @@ TEST(HealthMonitor, AProbeThatNeverEndsFailsAtTheProbeTimeout) {
 // eligible engines that said one, asked again after a failed call or a readmission, never again
 // of an engine that answered without it.
 TEST(HealthMonitor, LearnsTheEnginesLongestSequenceFromTheirModelLists) {
-  Topology t = aggregated({engine("a"), engine("b"), engine("c")});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(aggregated({engine("a"), engine("b"), engine("c")}));
   Cluster c(t);
   c.health.start();
   auto answer_probes = [&](const std::string& failing = {}) {
@@ -5026,9 +5016,7 @@ TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll)
 // reports either it is routed by the gateway's own counts, no longer polled, so no load_error
 // stays on /admin/endpoints for good (it did).
 TEST(HealthMonitor, AReadmittedEngineShowsNoOldLoadTrouble) {
-  Topology t = polled_for_load(Dialect::kAuto);
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
+  Topology t = probed_every_second(polled_for_load(Dialect::kAuto));
   Cluster c(t);
   ::testing::internal::CaptureStderr();
   c.health.start();
