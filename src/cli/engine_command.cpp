@@ -689,7 +689,7 @@ std::chrono::milliseconds check_engine_command_line(std::span<const std::string>
   EngineOptions o;
   CLI::App* cmd = add_engine_subcommand(app, o);
   // As main() does for every command: the engine child would refuse "010" at its start.
-  refuse_integers_not_in_decimal(app);
+  refuse_malformed_numbers(app);
   cmd->callback([&o, cmd] {
     check_settings(o, *cmd);
     if (o.model.rfind(kSimPrefix, 0) != 0) refuse_sim_flags(o, *cmd);

@@ -7,6 +7,7 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <string_view>
 
 #include <CLI/CLI.hpp>
 
@@ -52,6 +53,18 @@ std::string unknown_subcommand(const CLI::App& app, int argc, char** argv) {
          " (tandem --help says what each does)";
 }
 
+// CLI11's error as one line, as tandem's own errors are said: "tandem: error: --port: ...". Its
+// words for a flag given twice ("--port: At Most 1 required but received 2", with "Run with
+// --help for more information." below) say which flag and that it is to be given once.
+std::string cli11_failure(const CLI::App*, const CLI::Error& e) {
+  std::string what = e.what();
+  static constexpr std::string_view kAtMostOnce = ": At Most 1 required but received ";
+  if (const size_t at = what.find(kAtMostOnce); at != std::string::npos)
+    what = what.substr(0, at) + ": given " + what.substr(at + kAtMostOnce.size()) +
+           " times; it takes one value";
+  return "tandem: error: " + what + " (--help lists the flags)\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -67,6 +80,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs",
                "tandem"};
   app.require_subcommand(1);
+  app.failure_message(cli11_failure);  // before the subcommands, which take it from app
   // For bug reports: which source the binary was built from (build_info.cmake).
   app.set_version_flag("--version", std::string("tandem, built from commit ") + TANDEM_GIT_COMMIT,
                        "print the commit this binary was built from and exit");
@@ -79,7 +93,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_bench_command(app);
   tandem::cli::add_simulate_command(app);
   tandem::cli::add_place_command(app);
-  tandem::cli::refuse_integers_not_in_decimal(app);  // every command's, once all are added
+  tandem::cli::refuse_malformed_numbers(app);  // every command's, once all are added
   if (const std::string unknown = unknown_subcommand(app, argc, argv); !unknown.empty()) {
     std::fprintf(stderr, "tandem: error: %s\n", unknown.c_str());
     return 1;

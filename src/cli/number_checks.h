@@ -3,6 +3,7 @@
 // NonNegativeNumber answer 0 with "Value 0 not in range 0.000000 to " and the largest double in
 // 309 digits. CLI11 puts the flag's name before these messages: "--max-num-seqs: must be a
 // positive number, got 0".
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <iomanip>
@@ -82,32 +83,45 @@ inline CLI::Option* check_seconds(CLI::Option* option, bool at_least_a_ms, doubl
       ->check(CLI::Range(0.0, most).description(type.str()));
 }
 
-// Every integer option of `app` and its subcommands, as they stand, takes decimal only: "010"
-// and "0x10" are refused naming the flag. CLI11 (2.1) reads integers as strtoll with base 0,
-// "010" as octal 8 and "0x10" as 16, where a user meant 10 or a typo.
-inline void refuse_integers_not_in_decimal(CLI::App& app) {
-  const CLI::Validator decimal(
+// Why `text` is no integer as a flag takes it, or "": a decimal number, its sign and leading
+// spaces as strtoll takes them. CLI11 (2.1) read integers as strtoll with base 0, "010" as octal 8
+// and "0x10" as 16, where a user meant 10 or a typo; and answered "abc" with CLI::Range's "Value
+// abc not in range 0 to 65535". A number past the type's range is left to the range's check.
+inline std::string integer_text_check(const std::string& text) {
+  size_t at = 0;
+  while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at;
+  if (at < text.size() && (text[at] == '+' || text[at] == '-')) ++at;
+  // (A letter: "0x10", and "0b10", which glibc 2.38's strtoll reads as binary.)
+  if (at + 1 < text.size() && text[at] == '0' &&
+      std::isalnum(static_cast<unsigned char>(text[at + 1])))
+    return "expected a decimal number (no leading 0 or 0x), got " + text;
+  const bool digits = at < text.size() && std::all_of(text.begin() + at, text.end(), [](char c) {
+                        return std::isdigit(static_cast<unsigned char>(c));
+                      });
+  return digits ? std::string() : "expected a whole number, got " + text;
+}
+
+// Every numeric option of `app` and its subcommands, as they stand: an integer option takes a
+// decimal whole number (integer_text_check), a floating one a number, refused naming the flag
+// ("--port: expected a whole number, got abc") before any other check of the option (a range's)
+// words it otherwise.
+inline void refuse_malformed_numbers(CLI::App& app) {
+  const CLI::Validator integer(integer_text_check, "");  // nothing added to the help's type
+  const CLI::Validator number(
       [](const std::string& text) {
-        // A 0 that begins more digits (or x), after the sign strtoll takes and its spaces; any
-        // other text ("0.5") is left to the conversion, whose error says it is no whole number.
-        size_t at = 0;
-        while (at < text.size() && std::isspace(static_cast<unsigned char>(text[at]))) ++at;
-        if (at < text.size() && (text[at] == '+' || text[at] == '-')) ++at;
-        // (A letter: "0x10", and "0b10", which glibc 2.38's strtoll reads as binary.)
-        if (at + 1 < text.size() && text[at] == '0' &&
-            std::isalnum(static_cast<unsigned char>(text[at + 1])))
-          return "expected a decimal number (no leading 0 or 0x), got " + text;
-        return std::string();
+        return number_of(text) ? std::string() : "expected a number, got " + text;
       },
-      "");  // nothing added to the help's type
+      "");
   for (CLI::Option* option : app.get_options()) {
     // CLI11's own type name, before any check's ("UINT:INT in [1 - 64]").
     const std::string type = option->get_type_name();
     const std::string base = type.substr(0, type.find(':'));
-    if (base == "INT" || base == "UINT") option->check(decimal);
+    // transform(), not check(): put first, before the checks the option was given.
+    if (base == "INT" || base == "UINT") option->transform(integer);
+    if (base == "FLOAT") option->transform(number);
   }
   for (CLI::App* command : app.get_subcommands([](CLI::App*) { return true; }))
-    refuse_integers_not_in_decimal(*command);
+    refuse_malformed_numbers(*command);
 }
 
 }  // namespace tandem::cli

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -709,6 +710,29 @@ TEST(CliFlags, GenerateNamesTheSamplingFlagItRefuses) {
     const Result r = run(std::string("generate --model / --prompt hi ") + flags);
     EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
     EXPECT_THAT(r.output, HasSubstr(std::string("tandem: error: ") + said)) << flags;
+  }
+}
+
+// CLI11's words: "--port: Value abc not in range 0 to 65535" for text that is no number, and
+// "--port: At Most 1 required but received 2" for a flag given twice, each with a second line.
+// One line each, naming the flag and what it takes.
+TEST(CliFlags, ANumberFlagGivenTextOrTwiceIsOneLineNamingTheFlag) {
+  for (const auto& [args, said] : {
+           std::pair{"engine --model sim:tiny --port abc",
+                     "tandem: error: --port: expected a whole number, got abc"},
+           std::pair{"gateway --decode 127.0.0.1:9 --port 80x",
+                     "tandem: error: --port: expected a whole number, got 80x"},
+           std::pair{"engine --model sim:tiny --kv-cache-gb lots",
+                     "tandem: error: --kv-cache-gb: expected a number, got lots"},
+           std::pair{"engine --model sim:tiny --port 1 --port 2",
+                     "tandem: error: --port: given 2 times; it takes one value"},
+       }) {
+    const Result r = run(args);
+    EXPECT_NE(r.status, 0) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << args << ": " << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("not in range"))) << args;
+    EXPECT_THAT(r.output, Not(HasSubstr("Run with --help"))) << args;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << args << ": " << r.output;
   }
 }
 

@@ -24,7 +24,7 @@ class CapacityFlags {
  public:
   CapacityFlags() {
     add_gateway_capacity_flags(app_, flags_);
-    refuse_integers_not_in_decimal(app_);  // as main() does for every command
+    refuse_malformed_numbers(app_);  // as main() does for every command
   }
   // The parse's error, or "" when it took `args`.
   std::string parse(std::vector<std::string> args) {
