@@ -61,6 +61,7 @@ class FakeEngine {
     server_->route("POST", "/v1/completions", gen);
     server_->route("POST", "/v1/chat/completions", gen);
     server_->route("GET", "/v1/models", [this](const net::HttpRequest&, auto ex) {
+      ++model_lists_;
       std::lock_guard lock(mutex_);
       if (models_.empty()) {
         ex->send_error(404, "Invalid URL (GET /v1/models)");  // by default, as before the route
@@ -112,6 +113,8 @@ class FakeEngine {
     model_fields_ = std::move(fields);
   }
   int requests() const { return requests_; }
+  // The GET /v1/models calls it had: a gateway asks once an engine's health probe passed.
+  int model_lists() const { return model_lists_; }
   // The targets of the GET /v1/models/{id} calls it answered.
   std::vector<std::string> retrieved() {
     std::lock_guard lock(mutex_);
@@ -267,7 +270,7 @@ class FakeEngine {
   std::unique_ptr<net::HttpServer> server_;
   std::atomic<Behaviour> behaviour_{Behaviour::kOk};
   std::atomic<bool> healthy_{true};
-  std::atomic<int> requests_{0}, closed_early_{0};
+  std::atomic<int> requests_{0}, closed_early_{0}, model_lists_{0};
   std::mutex mutex_;
   std::vector<json> bodies_;
   std::vector<std::string> texts_;

@@ -770,6 +770,9 @@ TEST(GatewayReplicas, TheEnginesOfAnyReplicaShowEveryReplicasVerdict) {
   Gateway first(t, {}, set), second(t, {}, set);
   first.start();
   second.start();
+  // Each replica probes the engine as it starts: a probe that passed after the request below
+  // would readmit it. A replica asks an engine's model list once it took that probe's answer.
+  ASSERT_TRUE(tandem::testing::eventually([&] { return engine.model_lists() >= 2; }));
   // The first replica's request fails: it ejects the engine; the second never sent it one.
   const auto r = tandem::testing::post_json(first.port(), "/v1/completions",
                                             {{"model", "m"}, {"prompt", "hi"}});
