@@ -938,12 +938,14 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     const std::string& constraint = r.sampling.structured_output->field;
     if (use == ChatUse::kGenerate && !r.sampling.reasoning_end_token &&
         written.find_first_not_of(" \t\r\n") != std::string_view::npos)
+      // Without a reasoning parser every word of the message is answer, a think block too.
       fail("continue_final_message",
            "'continue_final_message' continues a final message that already wrote part of the "
            "answer, which '" +
-               constraint +
-               "' constrains from its start: send the final message without its answer text (its "
-               "reasoning may stay), or only one of the two fields");
+               constraint + "' constrains from its start: send the final message without its " +
+               (r.reasoning != ReasoningFormat::kNone ? "answer text (its reasoning may stay)"
+                                                      : "text") +
+               ", or only one of the two fields");
   }
   check_length(r, limits, body, max_name, "messages");
   return r;

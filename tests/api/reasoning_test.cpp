@@ -255,6 +255,10 @@ TEST(Reasoning, AConstrainedAnswerIsRefusedWhereTheContinuedMessageAlreadyWroteS
       EXPECT_EQ(e.param, "continue_final_message");
       const std::string field = constraint.contains("tools") ? "tool_choice" : "response_format";
       EXPECT_NE(e.message.find("'" + field + "'"), std::string::npos) << e.message;
+      // Its reasoning may stay only where a parser reads it apart.
+      EXPECT_EQ(e.message.find("reasoning may stay") != std::string::npos,
+                c.limits->reasoning != ReasoningFormat::kNone)
+          << e.message;
       // Unconstrained, the same message is continued.
       const ApiRequest unconstrained =
           parse_chat(body_of(c.message, json::object()), qwen3(), c.tmpl, *c.limits);
