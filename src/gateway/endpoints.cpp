@@ -115,6 +115,7 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   s.load_source = initial_load_source(pool.dialect);
   s.config = std::move(endpoint);
   s.unchecked = on_join_ && !replaces_checked;
+  s.admitted = !s.unchecked;
   const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
   // An engine of this name still draining gives its gauges up to the newcomer (the series are
   // the name's) and writes to a gauge of its own from now on.
@@ -131,6 +132,7 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   s.overloaded_total = &metrics_.endpoint_overloaded.labels(labels);
   s.draining_gauge = &metrics_.endpoint_draining.labels(labels);
   s.ejections_total = &metrics_.endpoint_ejections.labels(labels);
+  s.readmissions_total = &metrics_.endpoint_readmissions.labels(labels);
   s.healthy_gauge->set(1);
   s.draining_gauge->set(0);
   s.in_flight_gauge->set(0);
@@ -247,14 +249,16 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     if (e.prefill && can_serve(e, decoding)) pairing.insert(e.config.group);
   const bool pairs = topo_.mode == PdMode::kParallel;
   for (const bool prefill : prefill_pools) {
-    int total = 0, ejected = 0, draining = 0, not_admitted = 0, unchecked = 0, at_limit = 0,
-        no_decode = 0, no_prefill = 0, busy = 0;
+    int total = 0, ejected = 0, other_model = 0, draining = 0, not_admitted = 0, unchecked = 0,
+        at_limit = 0, no_decode = 0, no_prefill = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill) continue;
       ++total;
       if (e.draining)
         ++draining;
-      else if (e.unchecked && !e.healthy)  // new, never took a request: no failure to look for
+      else if (!e.not_serving.empty())  // alive: no failure to look for
+        ++other_model;
+      else if (!e.admitted && !e.healthy)  // new, never took a request: no failure to look for
         ++not_admitted;
       else if (!e.healthy)
         ++ejected;
@@ -276,6 +280,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
       if (n > 0) out += ", " + std::to_string(n) + " " + what;
     };
     part(ejected, "ejected after failing requests or health checks");
+    part(other_model, "serving another model (their GET /v1/models lacks served_model_name)");
     part(draining, "draining");
     part(not_admitted, "not admitted yet (new, its health probe failed; probed each interval)");
     part(unchecked, "not yet checked (new, its first health check under way)");
@@ -333,7 +338,8 @@ void EndpointTable::failure_since(EndpointState& e, Clock::time_point since) {
 
 void EndpointTable::failure(EndpointState& e, const char* what) {
   e.failures_total->inc();
-  if (++e.consecutive_failures >= topo_.health.failures_to_eject && e.healthy) {
+  if (!e.healthy) return;
+  if (++e.consecutive_failures >= topo_.health.failures_to_eject) {
     // Said, as nginx says "upstream server temporarily disabled": an operator sees when and why
     // an engine stopped taking requests, and when it came back.
     // With its address: an engine removed and added again under the same name at another
@@ -382,13 +388,17 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now, const s
       e->healthy_gauge->set(0);
       update_ready();
     }
-    failure(*e, "a failed health probe");
+    if (e->healthy)
+      failure(*e, "a failed health probe");
+    else
+      ++e->failed_probes_while_out;
     return !e->healthy && (was_healthy || !was_failing);
   }
-  const int failed_probes = e->consecutive_failures;
+  const int failed_probes = e->failed_probes_while_out;
   e->probe_failed = false;
   e->probe_passed = now;
   e->consecutive_failures = 0;
+  e->failed_probes_while_out = 0;
   if (!e->not_serving.empty()) {
     // Alive, but serving another model: its model list is asked again (it may have restarted
     // with the right one), and that answer readmits it.
@@ -403,8 +413,9 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now, const s
                  e->config.name.c_str(), address_key(e->config).c_str(), failed_probes,
                  failed_probes == 1 ? "probe" : "probes");
   else
-    std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: its health probe passed\n",
-                 e->config.name.c_str(), address_key(e->config).c_str());
+    std::fprintf(stderr, "tandem gateway: engine %s (%s) %s: its health probe passed\n",
+                 e->config.name.c_str(), address_key(e->config).c_str(),
+                 e->admitted ? "readmitted" : "admitted");
   readmit(*e, now);
   return true;
 }
@@ -413,8 +424,13 @@ void EndpointTable::readmit(EndpointState& e, Clock::time_point now) {
   e.healthy = true;
   // The slow-start ramp is for an engine coming back from an ejection: one that joined and is
   // admitted for the first time takes its whole limit, as the topology's engines and a joining
-  // engine whose first probe passed do (it was held, limit 0, until now).
-  if (!e.unchecked) e.readmitted = now;
+  // engine whose first probe passed do (it was held, limit 0, until now), and so does one refused
+  // at its first check (its probes failed, or it served another model) that now passes.
+  if (e.admitted) {
+    e.readmitted = now;
+    e.readmissions_total->inc();
+  }
+  if (!e.unchecked) e.admitted = true;
   // Whatever answered at its address before its probes failed may be gone, an engine that joined
   // too (a process at that address still running when it was added, then restarted): entries
   // its consumer took from it would point at a cache the new process does not hold.
@@ -443,6 +459,7 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
   const bool held = checked(*e);
   if (!max_model_len) {
     e->length_query = LengthQuery::kToAsk;
+    if (e->healthy) e->admitted = true;
     return held;
   }
   bool changed = held;
@@ -450,22 +467,24 @@ bool EndpointTable::models_result(int id, std::optional<int64_t> max_model_len,
     // An engine held for its first check took no request: it is not admitted, not ejected.
     if (not_serving != e->not_serving)
       std::fprintf(stderr, "tandem gateway: engine %s (%s) %s: %s\n", e->config.name.c_str(),
-                   address_key(e->config).c_str(), held ? "not admitted" : "ejected",
+                   address_key(e->config).c_str(), e->admitted ? "ejected" : "not admitted",
                    not_serving.c_str());
     changed = changed || e->healthy;
-    if (e->healthy && !held) e->ejections_total->inc();
+    if (e->healthy && e->admitted) e->ejections_total->inc();
     e->healthy = false;
     e->healthy_gauge->set(0);
     e->not_serving = std::move(not_serving);
   } else if (!e->not_serving.empty()) {
-    std::fprintf(stderr, "tandem gateway: engine %s (%s) readmitted: it serves the model now\n",
-                 e->config.name.c_str(), address_key(e->config).c_str());
+    std::fprintf(stderr, "tandem gateway: engine %s (%s) %s: it serves the model now\n",
+                 e->config.name.c_str(), address_key(e->config).c_str(),
+                 e->admitted ? "readmitted" : "admitted");
     e->not_serving.clear();
     readmit(*e, now);
     changed = true;
   }
   e->length_query = LengthQuery::kAnswered;
   e->max_model_len = *max_model_len;
+  if (e->healthy) e->admitted = true;  // its first check passed
   update_ready();
   return changed;
 }
@@ -574,6 +593,7 @@ void EndpointTable::forget(int id) {
       metrics_.endpoint_healthy.remove(labels);
       metrics_.endpoint_draining.remove(labels);
       metrics_.endpoint_ejections.remove(labels);
+      metrics_.endpoint_readmissions.remove(labels);
       metrics_.endpoint_requests.remove(labels);
       metrics_.endpoint_failures.remove(labels);
       metrics_.endpoint_overloaded.remove(labels);
@@ -700,6 +720,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"in_flight", e.in_flight},
             {"max_in_flight", e.max_in_flight},
             {"consecutive_failures", e.consecutive_failures},
+            {"failed_probes_while_out", e.failed_probes_while_out},
             {"load_source", load_source_name(e.load_source)}};
   if (!e.not_serving.empty()) j["unhealthy_reason"] = e.not_serving;
   if (e.unchecked) j["unchecked"] = true;

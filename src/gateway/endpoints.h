@@ -70,10 +70,22 @@ struct EndpointState {
   // Its last health probe failed: an ejected engine that also fails its probes is unresponsive
   // (dead or hung), not merely failing requests under load (Dispatcher::engines_changed).
   bool probe_failed = false;
+  // It has been in routing (checked and healthy): the topology's engines from the start, a
+  // joining one once its first check passed. Only such an engine is ejected and readmitted; one
+  // refused before (its probe failed, or it serves another model) is admitted when that ends,
+  // with its whole limit.
+  bool admitted = false;
   // When a probe last readmitted it after an ejection (its limit ramps up since).
   Clock::time_point readmitted{};
   Clock::time_point probe_passed{};  // when a health probe last passed
+  // Failures in a row while it was in routing, legs and probes: the run that ejects it at
+  // health.failures_to_eject. Frozen while it is out (the run that ejected it, as the ejection's
+  // line says), reset by a passing probe or a leg that succeeds.
   int consecutive_failures = 0;
+  // Health probes failed in a row while it was out of routing (ejected, not admitted): counted
+  // apart, as no request or failure of an engine in service is (failures_total stays still while
+  // an engine is simply down). Reset by a passing probe.
+  int failed_probes_while_out = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
   GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
   EngineLoadState load;  // its GET /load reports (tandem engines)
@@ -92,6 +104,7 @@ struct EndpointState {
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::Gauge* draining_gauge = nullptr;
   metrics::IntCounter* ejections_total = nullptr;
+  metrics::IntCounter* readmissions_total = nullptr;
   metrics::IntCounter* requests_total = nullptr;
   metrics::IntCounter* failures_total = nullptr;
   metrics::IntCounter* overloaded_total = nullptr;
@@ -164,7 +177,8 @@ class EndpointTable {
   // What the engines of the named pools were doing at `now`, for the 503 that says why none took
   // a request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit"
   // (an engine that joined and failed its probe is "not admitted yet", not ejected: it failed no
-  // request; a readmitted engine's limit as it ramps up; a prefill engine whose group cannot
+  // request; one whose model list lacks the gateway's model is "serving another model", alive;
+  // a readmitted engine's limit as it ramps up; a prefill engine whose group cannot
   // decode, and in parallel mode a decode engine whose group has no eligible prefill engine to
   // pair with, said so). An engine free by all of these is left to the policy's own load limits.
   std::string pools_state(const std::vector<bool>& prefill_pools, Clock::time_point now) const;
@@ -176,7 +190,8 @@ class EndpointTable {
   // sent, is overloaded: counted, never ejected for it. Other failures count toward ejection.
   void leg_finished(const Leg& leg, LegOutcome outcome);
   // A failed leg or probe (`what`, for the stderr line of an ejection: "a failed request"):
-  // ejects the engine after health.failures_to_eject in a row.
+  // ejects the engine after health.failures_to_eject in a row. A leg of an engine already out
+  // (one in flight at its ejection) counts in failures_total only: its run ended it already.
   void failure(EndpointState& e, const char* what = "a failed request");
   // A failure that may be load: an engine that passed a health probe since `since` is alive and
   // counts as overloaded, else as failing (towards ejection).

@@ -76,10 +76,16 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_na
           "Times an engine was ejected: after health.failures_to_eject failed legs or probes in a "
           "row, or for a model list without the served model.",
           {"pool", "endpoint"})),
+      endpoint_readmissions(r.int_counter_family(
+          "tandem:gateway_endpoint_readmissions_total",
+          "Times an ejected engine came back into routing: a passing health probe, or a model list "
+          "that names the served model again.",
+          {"pool", "endpoint"})),
       endpoint_requests(r.int_counter_family("tandem:gateway_endpoint_requests_total",
                                              "Legs sent per engine.", {"pool", "endpoint"})),
       endpoint_failures(r.int_counter_family("tandem:gateway_endpoint_failures_total",
-                                             "Failed legs and health probes per engine.",
+                                             "Failed legs per engine, and failed health probes "
+                                             "of an engine in routing (not those of one ejected).",
                                              {"pool", "endpoint"})),
       endpoint_overloaded(r.int_counter_family(
           "tandem:gateway_endpoint_overloaded_total",

@@ -25,6 +25,7 @@ struct GatewayMetrics {
   metrics::Family<metrics::Gauge>& endpoint_healthy;
   metrics::Family<metrics::Gauge>& endpoint_draining;
   metrics::Family<metrics::IntCounter>& endpoint_ejections;
+  metrics::Family<metrics::IntCounter>& endpoint_readmissions;
   metrics::Family<metrics::IntCounter>& endpoint_requests;
   metrics::Family<metrics::IntCounter>& endpoint_failures;
   metrics::Family<metrics::IntCounter>& endpoint_overloaded;

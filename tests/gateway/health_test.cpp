@@ -478,6 +478,116 @@ TEST(HealthMonitor, AJoiningEngineAdmittedAfterAFailedProbeHasNoSlowStartAsARead
   EXPECT_EQ(m.limit_of("loading"), 4);
 }
 
+// An ejected engine's counts stand still while it is down: the run of failures that ejected it
+// (as its line says), and failures_total, which counts no probe of an engine out of routing (an
+// alert on its rate fired for as long as an engine was simply down). Its failed probes are
+// counted apart, and its readmission is counted. A leg that fails after the ejection (one in
+// flight then) is a request's failure: counted in failures_total, not in the run.
+TEST(HealthMonitor, AnEjectedEnginesFailedProbesAreCountedApartAndItsReadmissionIsCounted) {
+  Topology t = one_engine(Dialect::kVllm);
+  t.decode.endpoints = {engine("a"), engine("b")};
+  Monitor m(t);
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("b", 200, list_of("m", "vllm"));
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  for (int i = 0; i < 4; ++i) {
+    m.clock.advance_by(m.topo.health.probe_interval);
+    m.clock.run_ready();
+    ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
+    ASSERT_TRUE(m.engines.answer("b.engines", "/health", 200, ""));
+    m.clock.run_ready();
+  }
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem gateway: engine a (a.engines:8000) ejected after 2 failures in a row (the "
+            "last: a failed health probe); a passing health probe readmits it\n");
+  EXPECT_FALSE(m.state("a").healthy);
+  json shown = m.endpoints.to_json(m.state("a"), m.clock.now());
+  EXPECT_EQ(shown["consecutive_failures"], 2);
+  EXPECT_EQ(shown["failed_probes_while_out"], 3);
+  EXPECT_EQ(m.state("a").failures_total->value(), 2u);
+  m.endpoints.failure(*m.endpoints.find(m.id_of("a")));  // a leg in flight at the ejection
+  EXPECT_EQ(m.state("a").consecutive_failures, 2);
+  EXPECT_EQ(m.state("a").failures_total->value(), 3u);
+
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("a.engines", "/health", 200, ""));
+  m.clock.run_ready();
+  EXPECT_TRUE(m.state("a").healthy);
+  shown = m.endpoints.to_json(m.state("a"), m.clock.now());
+  EXPECT_EQ(shown["consecutive_failures"], 0);
+  EXPECT_EQ(shown["failed_probes_while_out"], 0);
+  EXPECT_EQ(m.state("a").ejections_total->value(), 1u);
+  EXPECT_EQ(m.state("a").readmissions_total->value(), 1u);
+  EXPECT_EQ(m.state("b").readmissions_total->value(), 0u);
+  EXPECT_NE(m.registry.render().find("tandem:gateway_endpoint_readmissions_total{pool=\"decode\","
+                                     "endpoint=\"a\"} 1"),
+            std::string::npos);
+}
+
+// An engine that joined serving another model was never admitted: once it serves the gateway's
+// model it is admitted (said so) with its whole limit, no readmission counted. It was said
+// "readmitted" and ramped up by slow start. While it serves another model, the 503 of no engine
+// says so, not that it failed requests or health checks.
+TEST(HealthMonitor, AJoiningEngineThatServedAnotherModelIsAdmittedNotReadmittedOnceItServesIt) {
+  Topology t = one_engine(Dialect::kVllm);
+  t.health.slow_start = milliseconds(10000);
+  Monitor m(t);
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "vllm"));
+  m.endpoints.drain(m.id_of("a"));
+  m.endpoints.add(false, engine("late"));
+  m.clock.run_ready();
+  ::testing::internal::CaptureStderr();
+  m.checked("late", 200, list_of("other", "vllm"));
+  EXPECT_FALSE(m.state("late").healthy);
+  EXPECT_EQ(m.endpoints.pools_state({false}, m.clock.now()),
+            "decode pool: 1 engine, 1 serving another model (their GET /v1/models lacks "
+            "served_model_name)");
+
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  m.checked("late", 200, list_of("m", "vllm"));
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem gateway: engine late (late.engines:8000) not admitted: its GET /v1/models "
+            "lists 'other', not the gateway's served_model_name 'm' (each request would be "
+            "refused as for an unknown model)\n"
+            "tandem gateway: engine late (late.engines:8000) admitted: it serves the model now\n");
+  EXPECT_TRUE(m.state("late").healthy);
+  EXPECT_EQ(m.limit_of("late"), 4);  // no slow start
+  EXPECT_EQ(m.state("late").readmissions_total->value(), 0u);
+  EXPECT_EQ(m.state("late").ejections_total->value(), 0u);
+
+  // Admitted now: ejected by its probes, then for another model, it is readmitted each time.
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < m.topo.health.failures_to_eject; ++i) {
+    m.clock.advance_by(m.topo.health.probe_interval);
+    m.clock.run_ready();
+    ASSERT_TRUE(m.engines.answer("late.engines", "/health", 503, ""));
+    m.clock.run_ready();
+  }
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  m.checked("late", 200, list_of("other", "vllm"));
+  EXPECT_EQ(m.state("late").ejections_total->value(), 2u);
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  m.checked("late", 200, list_of("m", "vllm"));
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("late (late.engines:8000) ejected: its GET /v1/models lists 'other'"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("late (late.engines:8000) readmitted: it serves the model now"),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(m.state("late").readmissions_total->value(), 2u);
+  EXPECT_EQ(m.limit_of("late"), 1);  // readmitted: slow start
+}
+
 // A reload that changes a pool's max_in_flight replaces each of its engines: one at the name and
 // address of an engine that passed its checks is not held again, while a new engine is.
 TEST(HealthMonitor, AnEngineAReloadReplacesWithNewSettingsIsNotHeldAgain) {
