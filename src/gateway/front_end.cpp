@@ -11,6 +11,7 @@
 #include "api/block_hash.h"
 #include "api/body_fields.h"
 #include "api/disaggregation.h"
+#include "api/error.h"
 #include "api/model_list.h"
 #include "api/request.h"
 #include "api/response.h"
@@ -33,6 +34,21 @@ using nlohmann::json;
 constexpr int64_t kPrefixBlockTokens = 16;
 
 using api::kInvalidApiKey;
+
+// Seconds a client refused by a stopping gateway is told to wait: a restart, or the other
+// replicas behind a load balancer, take new requests within about that.
+constexpr int kShutdownRetryAfterSeconds = 2;
+
+// The stopping gateway's 503. With `Connection: close`, as nginx on a graceful stop: a keep-alive
+// client (or a load balancer's pooled connection) reconnects, to another instance, instead of
+// meeting this one again on the same connection until it exits (up to its shutdown timeout).
+net::HttpResponse shutting_down_answer() {
+  net::HttpResponse r =
+      api::openai_error_response(503, std::string(kShuttingDown), "server_error", "");
+  r.headers.set("Retry-After", std::to_string(kShutdownRetryAfterSeconds));
+  r.headers.set("Connection", "close");
+  return r;
+}
 
 }  // namespace
 
@@ -68,7 +84,7 @@ void FrontEnd::add_routes(net::HttpServer& server) {
   server.route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
     // A stopping gateway takes no new request: load balancers that probe it stop sending.
     if (stopping_.load())
-      ex->send_error(503, "the gateway is shutting down", "server_error");
+      ex->respond(shutting_down_answer());
     else if (endpoints_.ready())
       ex->respond(200, "", "text/plain");
     else
@@ -233,7 +249,10 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::string client_bod
     return ended(status, logged.empty() ? message : std::move(logged));
   };
   // Counted and logged as any refusal: an operator sees what a stop turned away.
-  if (stopping_.load()) return refuse(503, "the gateway is shutting down", "server_error");
+  if (stopping_.load()) {
+    r->reply->respond_with_headers(shutting_down_answer());
+    return ended(503, std::string(kShuttingDown));
+  }
   if (!api::api_key_valid(topo_.api_keys, req))
     return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
 

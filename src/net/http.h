@@ -65,7 +65,8 @@ struct HttpResponse {
   std::string content_type = "application/json";
   std::string body;
   // Extra fields. Content-Length, Transfer-Encoding, Connection and Date are the server's
-  // business and are ignored here; Content-Type comes from `content_type` (empty: none).
+  // business and are ignored here, except that a whole response's `Connection: close` has the
+  // server close the connection after it; Content-Type comes from `content_type` (empty: none).
   Headers headers;
 };
 

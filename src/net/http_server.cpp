@@ -226,12 +226,16 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
 
   bool respond(const HttpResponse& response) {
     check_status(response.status);
+    // The producer's `Connection: close` (a stopping gateway's refusal) ends the connection
+    // after this response: a keep-alive client reconnects, elsewhere, for its next request.
+    const std::string* connection = response.headers.find("Connection");
+    const bool close = !keep_alive_ || (connection && iequals(*connection, "close"));
     Callbacks dropped;  // destroyed after the lock: they may hold the last exchange reference
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
-    append_whole_locked(response);
+    append_whole_locked(response, close);
     phase_ = Phase::kComplete;
-    close_after_ = !keep_alive_;
+    close_after_ = close;
     dropped.swap(on_close_);
     wake_locked();
     return true;
@@ -320,7 +324,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     if (closed_locked() || phase_ == Phase::kComplete) return;
     aborted_ = true;
     if (phase_ == Phase::kIdle) {
-      append_whole_locked(format_error(500, message, {}, {}));
+      append_whole_locked(format_error(500, message, {}, {}), !keep_alive_);
       phase_ = Phase::kComplete;
       close_after_ = !keep_alive_;
     }
@@ -392,11 +396,11 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
   void wake_locked();
   // Every whole response of the exchange goes through here, so that a HEAD gets no body on any
   // path (a body would be read as the next response by a keep-alive client).
-  void append_whole_locked(const HttpResponse& response) {
+  void append_whole_locked(const HttpResponse& response, bool close) {
     append_response(
         out_, response,
         allow_origin_.empty() ? response.headers : with_cors(response.headers, allow_origin_),
-        !keep_alive_, http10_ && keep_alive_, head_only_);
+        close, http10_ && keep_alive_, head_only_);
   }
 
   const size_t max_unsent_;

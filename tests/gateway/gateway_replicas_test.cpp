@@ -7,6 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -29,6 +33,7 @@
 #include "net/http_client.h"
 #include "util/bounded_wait.h"
 #include "util/file.h"
+#include "util/loopback_socket.h"
 
 namespace tandem::gateway {
 namespace {
@@ -409,6 +414,58 @@ TEST(GatewayReplicas, ARequestRefusedWhileStoppingIsCountedAndLogged) {
   const json line = nth_line(dir / "access.jsonl", 1);
   EXPECT_EQ(line.value("status", 0), 503) << line;
   EXPECT_EQ(line.value("path", ""), "/v1/completions") << line;
+  EXPECT_EQ(engine.requests(), 0);
+}
+
+// What a keep-alive connection gets for `request` until the server closes it: the answer, and
+// whether it was closed (not left open until the 10 s read guard).
+struct ClosedAfter {
+  std::string answer;
+  bool closed = false;
+};
+ClosedAfter answer_on_a_keep_alive_connection(uint16_t port, const std::string& request) {
+  const int fd = tandem::testing::connect_loopback(port);
+  if (fd < 0) return {};
+  timeval guard{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &guard, sizeof guard);
+  ClosedAfter got;
+  if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
+      static_cast<ssize_t>(request.size())) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) got.answer.append(buf, static_cast<size_t>(n));
+    got.closed = n == 0;
+  }
+  ::close(fd);
+  return got;
+}
+
+// The 503 of a stopping gateway closes its connection and says when to come back: a keep-alive
+// client (or a load balancer's pooled connection) kept meeting the stopping gateway on the same
+// connection until it exited. Its body stays the OpenAI error.
+TEST(GatewayReplicas, TheStoppingGateways503ClosesItsConnectionAndSaysWhenToRetry) {
+  testing::FakeEngine engine("e");
+  Gateway gateway(in_front_of(engine, "e"));
+  gateway.start();
+  gateway.refuse_new_requests();
+  const std::string body = R"({"model": "m", "prompt": "hi"})";
+  for (const std::string& request :
+       {std::string("GET /health HTTP/1.1\r\nHost: gw\r\n\r\n"),
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        "Content-Length: " +
+            std::to_string(body.size()) + "\r\n\r\n" + body}) {
+    const ClosedAfter got = answer_on_a_keep_alive_connection(gateway.port(), request);
+    EXPECT_TRUE(got.closed) << request;
+    EXPECT_TRUE(got.answer.starts_with("HTTP/1.1 503 ")) << got.answer;
+    EXPECT_THAT(got.answer, HasSubstr("\r\nConnection: close\r\n"));
+    EXPECT_THAT(got.answer, HasSubstr("\r\nRetry-After: 2\r\n"));
+    const json error = json::parse(got.answer.substr(got.answer.find("\r\n\r\n") + 4));
+    EXPECT_EQ(error, (json{{"error",
+                            {{"message", "the gateway is shutting down"},
+                             {"type", "server_error"},
+                             {"param", nullptr},
+                             {"code", nullptr}}}}));
+  }
   EXPECT_EQ(engine.requests(), 0);
 }
 
