@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -49,15 +50,49 @@ void keep_max(json& into, const json& next, const std::string& key) {
   if (i == into.end() || !i->is_number() || *n > *i) into[key] = *n;
 }
 
+// Where the replicas learn an engine's load: one value where they agree, else each value once,
+// sorted and joined with '/' (one still asking while another has reports is the operator's to
+// see, not one replica's word).
+void merge_load_source(json& into, const json& next) {
+  const auto n = next.find("load_source");
+  if (n == next.end() || !n->is_string()) return;
+  const auto i = into.find("load_source");
+  if (i == into.end() || !i->is_string()) {
+    into["load_source"] = *n;
+    return;
+  }
+  std::set<std::string> sources;
+  const std::string& mine = i->get_ref<const std::string&>();
+  for (size_t from = 0; from <= mine.size();) {
+    const size_t to = std::min(mine.find('/', from), mine.size());
+    sources.insert(mine.substr(from, to - from));
+    from = to + 1;
+  }
+  if (!sources.insert(n->get<std::string>()).second) return;
+  std::string joined;
+  for (const std::string& s : sources) joined += (joined.empty() ? "" : "/") + s;
+  into["load_source"] = joined;
+}
+
 // One engine as two replicas see it: each has its own requests on it, its own health verdict and
 // its own poll of its load.
 void merge_endpoint(json& into, const json& next) {
   for (const char* key : {"in_flight", "max_in_flight", "uncached_tokens_in_flight"})
     add(into, next, key);
   keep_max(into, next, "consecutive_failures");
+  keep_max(into, next, "failed_probes_while_out");
   keep_max(into, next, "prefix_blocks");
   // Ejected by one replica is news to an operator, though the others still send to it.
   into["healthy"] = into.value("healthy", true) && next.value("healthy", true);
+  // Held by one replica for its first check: not yet taking that replica's share.
+  if (next.value("unchecked", false)) into["unchecked"] = true;
+  // The least a replica was told, as the gateway takes the least of its engines' (a replica
+  // that has not asked yet shows none).
+  if (const auto n = next.find("max_model_len"); n != next.end() && n->is_number()) {
+    const auto i = into.find("max_model_len");
+    if (i == into.end() || !i->is_number() || *n < *i) into["max_model_len"] = *n;
+  }
+  merge_load_source(into, next);
   for (const char* key : {"unhealthy_reason", "load_error"})
     if (!into.contains(key) && next.contains(key)) into[key] = next[key];
   if (const auto load = next.find("load"); load != next.end()) {

@@ -811,6 +811,41 @@ TEST(GatewayReplicas, SeveralReplicasEngineListsMergeIntoOneEntryPerEngine) {
       << state["endpoints"];
 }
 
+// What each replica learned of an engine on its own merges across them: it is held for its first
+// check where any replica holds it, its longest sequence is the least one told (a replica that has
+// not asked shows none), and where replicas learn its load differently both ways are shown. The
+// first replica's word was taken for all three.
+TEST(GatewayReplicas, AnEnginesCheckLengthAndLoadSourceMergeAcrossReplicas) {
+  const json first = {{"name", "e"},
+                      {"pool", "decode"},
+                      {"host", "h"},
+                      {"port", 1},
+                      {"draining", false},
+                      {"healthy", true},
+                      {"load_source", "reports"},
+                      {"max_model_len", 4096}};
+  json second = first;
+  second["unchecked"] = true;
+  second["max_model_len"] = 2048;
+  second["load_source"] = "asking";
+  json third = first;
+  third.erase("max_model_len");
+  third["load_source"] = "own_counts";
+  json merged = json::array({first});
+  merge_endpoint_lists(merged, json::array({second}));
+  merge_endpoint_lists(merged, json::array({third}));
+  merge_endpoint_lists(merged, json::array({second}));
+  ASSERT_EQ(merged.size(), 1u) << merged;
+  EXPECT_EQ(merged[0]["unchecked"], true);
+  EXPECT_EQ(merged[0]["max_model_len"], 2048);
+  EXPECT_EQ(merged[0]["load_source"], "asking/own_counts/reports");
+  json agreeing = json::array({third});
+  merge_endpoint_lists(agreeing, json::array({third}));
+  EXPECT_EQ(agreeing[0]["load_source"], "own_counts");
+  EXPECT_FALSE(agreeing[0].contains("unchecked"));
+  EXPECT_FALSE(agreeing[0].contains("max_model_len"));
+}
+
 // GET /admin/endpoints answered for the replica a connection reached: an engine that replica
 // had not ejected showed healthy, though another replica no longer sent it anything (and the
 // in-flight counts were that replica's share). In one AdminReplicas set, either answers for the
