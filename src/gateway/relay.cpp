@@ -448,7 +448,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       outcome.error = reason;
     } else if (!reason.empty()) {
       outcome.status = client_left ? 499 : 502;
-      outcome.error = client_left ? "client closed the connection" : where + ": " + reason;
+      // Named as the client's event names it: one text to grep the access log and clients for.
+      outcome.error =
+          client_left ? "client closed the connection" : "engine " + where + ": " + reason;
     } else if (l.engine_error) {
       // The engine's own error event, then its [DONE]: the client has both as they came (the
       // stream ends as the engine ended it), but the request failed.
@@ -476,8 +478,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       // ending an event the engine left half-sent), then [DONE], then the chunked body ends
       // properly. Clients that read error events raise it; [DONE] only ends the stream.
       std::string tail = l.parser.mid_event() ? "\n\n" : "";
-      tail += net::sse_event(api::openai_error_body(
-          "the answer was cut: " + (shutting_down ? cut : "engine " + cut), "server_error"));
+      tail += net::sse_event(api::openai_error_body("the answer was cut: " + cut, "server_error"));
       tail += net::kSseDone;
       if (r->reply->write(tail))
         r->reply->end();

@@ -329,6 +329,8 @@ TEST_P(GatewayFailures, AnEngineDyingMidStreamEndsTheClientStreamWithAnErrorEven
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
   ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
   EXPECT_EQ(log_lines()[0]["status"], 502);
+  // The access log names the engine as the client's event does (it lacked "engine e: ").
+  EXPECT_EQ("the answer was cut: " + log_lines()[0]["error"].get<std::string>(), last_error(got));
 }
 
 // However a stream fails once the client has tokens, it ends as a failing engine ends its own
