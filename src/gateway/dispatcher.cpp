@@ -833,6 +833,10 @@ void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, st
           // the attempt can start the client's stream meanwhile.
           std::lock_guard lock(r->mutex);
           if (r->client != ClientState::kNothingSent) return;
+          // Handled, as attempt_failed marks it: a client error or refusal that crosses this
+          // cut decides nothing (leg_failed), and the failure answered here (a timed-out whole
+          // answer) stays its engine's.
+          r->handled_attempt = attempt;
           calls = mark_legs_cancelled(*r);
           r->client = ClientState::kAnswering;
           r->reply->send_error(status, message, "server_error", code);

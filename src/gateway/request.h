@@ -227,8 +227,8 @@ struct Request {
   int decided_by = -1;
   bool decided_by_client_error = false;
   // The attempt whose failure or refusal Dispatcher::attempt_failed acted on (retried, or
-  // answered), or -1: decided, whatever its other leg, cut by that, reports after (an answer that
-  // crossed the cut), the client's error included.
+  // answered), or that Dispatcher::answer_refused answered, or -1: decided, whatever its other
+  // leg, cut by that, reports after (an answer that crossed the cut), the client's error included.
   int handled_attempt = -1;
 
   bool ended() {

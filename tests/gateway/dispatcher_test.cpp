@@ -1382,6 +1382,37 @@ TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsHandledFailureChangesNo
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// The same for an attempt answered without retry (a decode leg's whole answer timed out: 504): the
+// prefill leg's client error (a 400) that crossed the cut decides nothing, and the timed-out
+// decode engine is blamed (ejected here). The crossing 400 made the decode leg's timeout no
+// failure of its engine's.
+TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsTimedOutWholeAnswerChangesNothing) {
+  Topology t = two_engines_each_ejected_at_one_failure(PdMode::kParallel);
+  t.timeouts.first_token = milliseconds(500);
+  Cluster c(t);
+  auto client = c.send(false);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  ASSERT_EQ(host_of(*legs[1]), "a");
+  c.engines.answer_after_cancel = true;  // the decode leg's deadline cuts it; the test ends it
+  c.clock.advance_by(milliseconds(500));
+  ASSERT_TRUE(legs[1]->cancelled);
+  c.engines.answer_after_cancel = false;
+  FakeEngines::finish(*legs[1], "cancelled");
+  c.engines.answer_crossing_cancel = kMaxTokensInvalid;  // the prefill leg's answer crosses its cut
+  c.engines.answer_crossing_cancel_status = 400;
+  c.clock.run_ready();
+  c.engines.answer_crossing_cancel.clear();
+  EXPECT_TRUE(legs[0]->cancelled);
+  EXPECT_EQ(client->status, 504);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A refusal retried where every engine of a pool was tried waits the retry backoff, lest it meet
 // the same full queue at once; an engine that failed the request (and did not refuse it) is no
 // full queue. Parallel mode, one prefill engine: p1 failed the first attempt, a decode engine
