@@ -16,6 +16,7 @@
 
 #include "api/api_key.h"
 #include "api/reasoning.h"
+#include "cli/cli11_errors.h"
 #include "cli/gateway_capacity_flags.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
@@ -703,7 +704,7 @@ std::chrono::milliseconds check_engine_command_line(std::span<const std::string>
     // it at once, naming no port.
     throw Error(e.get_exit_code() == 0 ? std::string("asks for the engine's help, which an engine "
                                                      "of serve cannot print")
-                                       : std::string(e.what()));
+                                       : cli11_error_text(e));
   }
   return shutdown_drain(o.shutdown_timeout);
 }

