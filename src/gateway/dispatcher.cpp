@@ -951,6 +951,12 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     } else {
       r->stage = Stage::kFirst;
       release_decode(*r);
+      {
+        // The next prefill's answer makes it anew; held while the prompt waits and is prefilled
+        // again, it would be memory the queue's byte bound does not count (body_bytes).
+        std::lock_guard lock(r->mutex);
+        std::string().swap(r->decode_body);
+      }
       // The prompt is prefilled again: the prefill engine is told to let go of the KV the failed
       // decode leg was sent for, whatever that leg did (the last that could take it has ended). A
       // hold its engine pulled answers not_held, one being pulled is refused; and a pull that

@@ -219,6 +219,7 @@ class Cluster {
     req.body = json{{"model", "m"}, {"prompt", "hello there"}, {"stream", stream}}.dump();
     if (!id.empty()) req.headers.set("X-Request-Id", id);
     if (RequestPtr r = front_end.prepare(req, client)) {
+      last_sent = r;
       r->reply->on_close([this, r] { dispatcher.client_gone(r); });
       clock.post_batched([this, r] { dispatcher.submit(r); });
     }
@@ -352,6 +353,8 @@ class Cluster {
   }
 
   Topology topo;
+  // The request send() prepared last, for a test of what the gateway holds for it.
+  std::weak_ptr<Request> last_sent;
   VirtualExecutor clock;
   FakeEngines engines;
   std::unique_ptr<Policy> policy;
@@ -3637,6 +3640,40 @@ TEST(Dispatcher, ADecodeLegFailingWithoutACodeStartsTheRequestAgainFromItsPrefil
   ASSERT_EQ(retry.size(), 1u);
   EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
   prefill_answers(c);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A sequential request started again from its prefill (its decode leg failed) lets go of its
+// decode body, which the next prefill's answer makes anew: it waits for that prefill holding only
+// the bodies the queue's byte bound counts. It held the failed stage's decode body meanwhile.
+TEST(Dispatcher, ARequestStartedAgainFromItsPrefillLetsGoOfItsDecodeBody) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
+  auto client = c.send();
+  prefill_answers(c);
+  const RequestPtr r = c.last_sent.lock();
+  ASSERT_TRUE(r);
+  size_t held = 0;
+  {
+    std::lock_guard lock(r->mutex);
+    held = r->decode_body.size();
+  }
+  ASSERT_GT(held, 0u);
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500, "boom");
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+  {
+    std::lock_guard lock(r->mutex);
+    EXPECT_TRUE(r->decode_body.empty());
+    EXPECT_LT(r->decode_body.capacity(), held) << "its memory is let go of";
+  }
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  EXPECT_EQ(json::parse(decode[0]->request.body)["kv_transfer_params"], kHeldKv);
   c.answer_all("decoded");
   EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.active(), 0u);
