@@ -380,11 +380,14 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     l.gateway_cancelled = true;  // the client is gone
     return false;
   }
+  // Only once written: a client gone as the error event was written never had it (499).
+  if (!l.body.empty()) l.error_event_sent = true;
   // Each event is held until it ends (the parser's, to read it): one the engine never ends
   // would grow without bound. Cut as the engine's failure (relay_done says why).
   if (event_too_large(l, topo_.max_answer_bytes)) {
-    // Past its [DONE] the client has the whole answer: the bytes after it are dropped.
-    if (!l.stream_done) l.engine_error = true;
+    // Past its [DONE] or its error event the client has the whole answer: the bytes after it
+    // are dropped.
+    if (!l.stream_done && !l.error_event_sent) l.engine_error = true;
     return false;
   }
   return true;
@@ -429,16 +432,18 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     const bool client_left = l.gateway_cancelled.load() && !shutting_down;
     // Once the engine's error event went out, the request ended as that error says, however its
     // stream is then cut: a client that takes nothing after it (one that left, or the merger of
-    // an n > 1 request, which lets a choice go once it failed) was not cut off a whole answer.
-    const bool ended_by_error = client_left && !l.body.empty();
+    // an n > 1 request, which lets a choice go once it failed), or an engine that closes without
+    // its [DONE] after it (a refusal so stays a refusal, as its leg is counted), cut off no whole
+    // answer.
+    const bool ended_by_error = l.error_event_sent;
     if (ended_by_error) reason.clear();
-    if (!client_left && event_too_large(l, topo_.max_answer_bytes))
+    if (!client_left && !ended_by_error && event_too_large(l, topo_.max_answer_bytes))
       reason = "an event of its stream is larger than " + size_text(topo_.max_answer_bytes) +
                ", the most this gateway holds for one";
     if (!client_left && l.stream_done) reason.clear();
     // Only [DONE] says the answer is whole (as for the choice merger's streams): a stream that
     // ends cleanly without it was cut all the same (a body delimited by the connection's close).
-    if (!client_left && !l.stream_done && reason.empty()) {
+    if (!client_left && !ended_by_error && !l.stream_done && reason.empty()) {
       reason = "the stream ended without its [DONE]";
       l.engine_error = true;
     }
@@ -471,7 +476,14 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     if (client_left && (ended_by_error || !reason.empty())) {
       r->reply->abort();
     } else if (reason.empty()) {
-      r->reply->end();
+      // An engine that closed after its error event without [DONE]: the stream ends as a failing
+      // engine's does, its error event then [DONE].
+      std::string tail;
+      if (!l.stream_done) tail = (l.parser.mid_event() ? "\n\n" : "") + std::string(net::kSseDone);
+      if (tail.empty() || r->reply->write(tail))
+        r->reply->end();
+      else
+        r->reply->abort();
     } else {
       // The client has a 200 and part of an answer; it must not take that for the whole one.
       // The stream ends as a failing engine's does (vLLM's, ours): an OpenAI error event (after

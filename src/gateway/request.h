@@ -110,6 +110,9 @@ struct Leg {
   std::string body;  // a non-streaming answer, or a stream's first event when it is an error
   net::SseParser parser;
   bool stream_done = false;  // the stream's [DONE] arrived: the client has the whole answer
+  // The engine's error event (after the client's stream began) was written to the client: the
+  // request ended as that error says, however the stream is then cut.
+  bool error_event_sent = false;
   // A verbatim relay (no translation): the stream's bytes before its first event completed,
   // held back until that event shows it is no error.
   std::string held;

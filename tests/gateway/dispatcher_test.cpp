@@ -106,6 +106,8 @@ class FakeClient final : public ClientReply {
     gone_ = true;
     if (auto close = std::move(close_)) close();
   }
+  // Its connection broke: writes fail before the server tells the request (its close callback).
+  void break_connection() { gone_ = true; }
 
   int status = 0;
   std::string body, streamed, error_message, error_type, error_code;
@@ -1549,6 +1551,50 @@ TEST(Dispatcher, ARateLimitMidStreamIsRecordedAndCountedAsTheEnginesRefusal) {
   EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
   EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"a\"}"),
             1);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A refusal an engine streams after the client's stream began, its connection then closed without
+// [DONE], is still its refusal: recorded 429, as its leg is counted (the engine full), and the
+// client's stream ends as the engine's error then [DONE]. It was recorded 502 (a stream cut, a
+// second error event after the engine's) while its leg counted the engine full.
+TEST(Dispatcher, ARateLimitMidStreamThenACloseWithoutDoneStaysTheEnginesRefusal) {
+  Cluster c(one_engine_without_retries());
+  c.dispatcher.dashboard_state();  // the dashboard is open: the requests' records are kept
+  auto client = c.send(true);
+  const std::string events = kTokenEvent + net::sse_event(kRateLimited);
+  FakeEngines::stream(*c.engines.open("/v1/completions").at(0), events);
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed, events + std::string(net::kSseDone));
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), 429) << record;
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"429\"}"), 1);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"a\"}"),
+            1);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A client whose connection broke as the engine's error event was written to it never had that
+// error: it left (499), as any client whose write failed. The error event counted as written
+// before the write, and the request was recorded as the engine's failure (502).
+TEST(Dispatcher, AClientGoneAsTheEnginesErrorEventIsWrittenIsRecordedAsGone) {
+  Cluster c(one_engine_without_retries());
+  c.dispatcher.dashboard_state();
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*call, kTokenEvent));
+  client->break_connection();
+  EXPECT_FALSE(FakeEngines::piece(
+      *call, net::sse_event(api::openai_error_body("generation failed", "server_error"))));
+  FakeEngines::finish(*call, "cancelled");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed, kTokenEvent);
+  EXPECT_TRUE(client->aborted);
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), 499) << record;
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
