@@ -203,12 +203,12 @@ struct Topology {
   std::string metrics_api_key;
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
-  // The most bytes of request bodies the waiting requests hold (their body and prefill body): an
-  // arrival past it gets max_queue's 429, unless nothing waits or lower classes' waiting requests
-  // are shed for it (Dispatcher::make_room). max_queue bounds the count only: its 1024 places at
-  // the 8 MiB bodies listen.max_body_bytes allows hold 8 GiB. 1 GiB binds only where the waiting
-  // bodies average over 1 MiB (some 250k tokens of text each). The file's max_queued_body_bytes,
-  // --max-queued-body-bytes; 0: no bound.
+  // The most bytes of request bodies the waiting requests hold (their body and prefill body, and a
+  // sequential decode stage's decode body): an arrival past it gets max_queue's 429, unless nothing
+  // waits or lower classes' waiting requests are shed for it (Dispatcher::make_room). max_queue
+  // bounds the count only: its 1024 places at the 8 MiB bodies listen.max_body_bytes allows hold
+  // 8 GiB. 1 GiB binds only where the waiting bodies average over 1 MiB (some 250k tokens of text
+  // each). The file's max_queued_body_bytes, --max-queued-body-bytes; 0: no bound.
   size_t max_queued_body_bytes = size_t{1} << 30;
   // The largest non-streamed answer, or event of a stream, the gateway holds to relay (it buffers
   // a whole answer before any byte reaches the client, so a failure can still be retried); a
