@@ -1090,7 +1090,8 @@ TEST_P(GatewayFailures, AReloadChecksOnlyTheStartSettingsItsFileChanged) {
 }
 
 // Every setting a reload does not apply is named: the listen section's and the scheduling
-// section's beyond the ones once compared (max_body_time_ms, max_hold_ms were missed).
+// section's beyond the ones once compared (max_body_time_ms, max_hold_ms were missed), and the
+// queue's byte bound.
 TEST_P(GatewayFailures, AReloadNamesEveryListenAndSchedulingSettingItDoesNotApply) {
   FakeEngine a("a");
   const auto file = dir_ / "topology.yaml";
@@ -1108,7 +1109,8 @@ TEST_P(GatewayFailures, AReloadNamesEveryListenAndSchedulingSettingItDoesNotAppl
        {std::tuple{", max_body_time_ms: 1000", "", "listen"},
         std::tuple{"", "scheduling: {max_hold_ms: 5}\n", "scheduling"},
         std::tuple{"", "scheduling: {cache_aware: {cache_threshold: 0.5}}\n", "scheduling"},
-        std::tuple{"", "scheduling: {queue_length_weight: 0.5}\n", "scheduling"}}) {
+        std::tuple{"", "scheduling: {queue_length_weight: 0.5}\n", "scheduling"},
+        std::tuple{"", "max_queued_body_bytes: 4096\n", "max_queued_body_bytes"}}) {
     write(listen, extra);
     const auto r = admin("POST", "/admin/reload");
     ASSERT_EQ(r.status, 200) << extra << r.body;
