@@ -812,9 +812,7 @@ TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
   EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
   EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 0);
 
-  Topology alone = aggregated({engine("a")});
-  alone.prefill_retries = 0;
-  Cluster one(alone);
+  Cluster one(one_engine_without_retries());
   auto refused = one.send();
   FakeEngines::answer(*one.engines.open("/v1/completions").at(0), 429, kEngineFull);
   one.clock.run_ready();
@@ -1524,9 +1522,8 @@ TEST(Dispatcher, ARateLimitAsAStreamsFirstEventIsARefusalNotTheEnginesFailure) {
 // its failures) nor a failure toward its ejection. It was recorded 429 but counted the engine's
 // success.
 TEST(Dispatcher, ARateLimitMidStreamIsRecordedAndCountedAsTheEnginesRefusal) {
-  Topology t = aggregated({engine("a")});
+  Topology t = one_engine_without_retries();
   t.health.failures_to_eject = 2;
-  t.prefill_retries = 0;
   Cluster c(t);
   c.dispatcher.dashboard_state();  // the dashboard is open: the requests' records are kept
   // A failure of a's first: a success would clear it.
