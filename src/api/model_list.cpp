@@ -43,25 +43,28 @@ std::string model_json(const ModelCard& model) {
   return dumped(model_object(model));
 }
 
-std::optional<std::string> retrieved_model_id(std::string_view path) {
-  const std::string id = net::percent_decoded(id_part(path));
+std::string retrieved_model_id(std::string_view path) {
+  return net::percent_decoded(id_part(path));
+}
+
+bool has_dot_segment(std::string_view id) {
   for (size_t start = 0; start <= id.size();) {
     const size_t slash = std::min(id.find('/', start), id.size());
-    const std::string_view segment = std::string_view(id).substr(start, slash - start);
-    if (segment == "." || segment == "..") return std::nullopt;
+    const std::string_view segment = id.substr(start, slash - start);
+    if (segment == "." || segment == "..") return true;
     start = slash + 1;
   }
-  return id;
+  return false;
 }
 
 net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model) {
-  const std::optional<std::string> id = retrieved_model_id(path);
+  const std::string id = retrieved_model_id(path);
   net::HttpResponse r;
-  if (id && *id == model.id) {
+  if (id == model.id) {
     r.body = model_json(model);
     return r;
   }
-  const ApiError e = model_not_found(id ? std::string_view(*id) : id_part(path));
+  const ApiError e = model_not_found(id);
   r.status = e.status;
   r.body = api_error_body(e);
   return r;

@@ -28,9 +28,13 @@ std::string model_json(const ModelCard& model);
 // The model id GET `path` names (a path under /v1/models/, as it arrived): the rest of the path,
 // percent-decoded once, as servers read a path parameter. The openai Python client sends
 // "deepseek-ai/DeepSeek-V3" as it is, its Node client (encodeURIComponent) as
-// deepseek-ai%2FDeepSeek-V3: both name that model. nullopt for an id with a "." or ".." segment,
-// which a proxy or engine on the way would resolve into another path, never a model's.
-std::optional<std::string> retrieved_model_id(std::string_view path);
+// deepseek-ai%2FDeepSeek-V3: both name that model.
+std::string retrieved_model_id(std::string_view path);
+// Whether a retrieved id has a "." or ".." segment, which a proxy or engine the path is relayed
+// to would resolve into another route (/v1/models/../completions), never a model's. Only relaying
+// refuses it: a server answers its own model's id whatever it is (`--model ./Qwen3-8B` serves
+// "./Qwen3-8B", which the Node client sends as .%2FQwen3-8B).
+bool has_dot_segment(std::string_view id);
 // The answer to GET `path` of a server serving `model`: its object when retrieved_model_id(path)
 // is its id, else 404 model_not_found naming the id, as a request naming an unknown model is
 // answered.

@@ -64,19 +64,28 @@ TEST(ModelList, TheRetrievedIdIsThePathPercentDecodedOnce) {
   EXPECT_EQ(openai_error_message(other.body), "The model `Qwen/Other` does not exist.");
 }
 
-// A "." or ".." segment names no model: a proxy or engine on the way would resolve
-// /v1/models/../completions into another route. Refused as an unknown model, even by a server
-// whose model is named so.
-TEST(ModelList, AnIdWithADotSegmentIsNoModels) {
+// A "." or ".." segment is for relaying alone: a proxy or engine on the way would resolve
+// /v1/models/../completions into another route, so the gateway relays no such id. A server
+// answers its own model's id whatever it is: `tandem engine --model ./Qwen3-8B` serves
+// "./Qwen3-8B", which the Node client sends as .%2FQwen3-8B; another id with a dot segment is
+// model_not_found, as any other.
+TEST(ModelList, AnIdWithADotSegmentIsNotRelayedButAServedIdAnswersAsItIs) {
   for (const char* path :
        {"/v1/models/..", "/v1/models/.", "/v1/models/../completions", "/v1/models/Qwen/./Qwen3-8B",
-        "/v1/models/Qwen/..", "/v1/models/Qwen%2F..%2Fx", "/v1/models/%2E%2E"}) {
-    EXPECT_EQ(retrieved_model_id(path), std::nullopt) << path;
-    const std::string id = std::string(path).substr(11);
-    const net::HttpResponse r = model_retrieval(path, {net::percent_decoded(id), 1, 0});
+        "/v1/models/Qwen/..", "/v1/models/Qwen%2F..%2Fx", "/v1/models/%2E%2E",
+        "/v1/models/.%2FQwen3-8B"}) {
+    const std::string id = retrieved_model_id(path);
+    EXPECT_TRUE(has_dot_segment(id)) << path;
+    EXPECT_EQ(model_retrieval(path, {id, 1, 0}).status, 200) << path;
+    const net::HttpResponse r = model_retrieval(path, {"Qwen/Qwen3-8B", 1, 0});
     EXPECT_EQ(r.status, 404) << path;
     EXPECT_EQ(openai_error_code(r.body), "model_not_found") << path << ": " << r.body;
   }
+  EXPECT_EQ(retrieved_model_id("/v1/models/.%2FQwen3-8B"), "./Qwen3-8B");
+  const json m = json::parse(model_retrieval("/v1/models/.%2FQwen3-8B", {"./Qwen3-8B", 1, 0}).body);
+  EXPECT_EQ(m["id"], "./Qwen3-8B");
+  for (const char* id : {"deepseek-ai/DeepSeek-V3", "v1.5/...", ".hidden/m", "m/..x", "a./b"})
+    EXPECT_FALSE(has_dot_segment(id)) << id;
 }
 
 // A model name that is no UTF-8 (refused at startup, but the list must not depend on that) is
