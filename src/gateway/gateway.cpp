@@ -172,6 +172,9 @@ class Gateway::Impl {
     net::HttpServerOptions o;
     o.host = topo_.host;
     o.port = topo_.port;
+    // Set by the flag or the topology file: a listen error names both.
+    o.host_flag = "--host/listen.host";
+    o.port_flag = "--port/listen.port";
     o.threads = topo_.io_threads;
     o.reuse_port = topo_.reuse_port;
     o.max_body_bytes = topo_.max_body_bytes;

@@ -1356,7 +1356,8 @@ void ServerImpl::start() {
   max_connections_ = options_.max_connections > 0 ? options_.max_connections
                                                   : default_max_connections(descriptor_limit());
   uint16_t bound = 0;
-  listen_fd_ = listen_tcp({options_.host, options_.port}, bound, options_.reuse_port);
+  listen_fd_ = listen_tcp({options_.host, options_.port, options_.host_flag, options_.port_flag},
+                          bound, options_.reuse_port);
   port_ = bound;
   started_ = true;
   for (size_t i = 0; i < loops_.size(); ++i) {

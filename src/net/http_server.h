@@ -135,6 +135,10 @@ using Handler = std::function<void(const HttpRequest& request, std::shared_ptr<E
 struct HttpServerOptions {
   std::string host = "0.0.0.0";
   uint16_t port = 0;  // 0: an ephemeral port, see HttpServer::port()
+  // What set host and port, as start()'s listen errors name them (the gateway's may come from its
+  // topology file: "--port/listen.port").
+  std::string host_flag = "--host";
+  std::string port_flag = "--port";
   // SO_REUSEPORT: other servers (gateway replicas) may listen on the same port; the kernel
   // spreads connections over them.
   bool reuse_port = false;

@@ -76,7 +76,13 @@ int listen_tcp(const ListenAddress& at, uint16_t& bound_port, bool reuse_port) {
   if (addresses.empty()) throw Error(host_said + "cannot resolve it: " + error);
   const Address& a = addresses.front();
   const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(port_said + "cannot listen on " + where + ": " + std::strerror(errno));
+  if (fd < 0) {
+    const int e = errno;
+    // --host :: on a machine without IPv6 (or an IPv4 address without IPv4): the host's family.
+    if (e == EAFNOSUPPORT)
+      throw Error(host_said + "cannot listen on " + where + ": " + std::strerror(e));
+    throw Error("cannot listen on " + where + ": " + std::strerror(e));
+  }
   int one = 1;  // a closed connection's TIME_WAIT does not hold the port
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (reuse_port && ::setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) {
@@ -89,7 +95,9 @@ int listen_tcp(const ListenAddress& at, uint16_t& bound_port, bool reuse_port) {
     const int e = errno;
     ::close(fd);
     if (e == EADDRINUSE)
-      throw Error(port_said + where + " is in use (another process listens there)");
+      throw Error(
+          port_said + where +
+          " is in use (another socket holds it: a listener, or a connection made from that port)");
     if (e == EACCES) throw Error(port_said + "cannot listen on " + where + ": " + std::strerror(e));
     throw Error(host_said + "cannot listen on " + where + ": " + std::strerror(e));
   }

@@ -35,8 +35,9 @@ struct ListenAddress {
 
 // A non-blocking, close-on-exec TCP listener bound to `at` (the HTTP server's, the KV transfer's
 // and the test bind of net::check_listen_address: one wording for all). Throws tandem::Error
-// naming the address and a flag: host_flag for a host that does not resolve or is not this
-// machine's, port_flag for a port in use or privileged. `reuse_port`: SO_REUSEPORT, so several
+// naming the address and a flag: host_flag for a host that does not resolve, is not this
+// machine's or is of a family it lacks (:: without IPv6), port_flag for a port in use or
+// privileged. `reuse_port`: SO_REUSEPORT, so several
 // listeners (gateway replicas) share the port and the kernel spreads new connections over them.
 int listen_tcp(const ListenAddress& at, uint16_t& bound_port, bool reuse_port = false);
 

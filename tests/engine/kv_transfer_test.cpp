@@ -245,9 +245,10 @@ TEST_P(KvTransports, APortInUseIsRefusedNamingTheKvTransferFlagAndTheAddress) {
   const auto transport = make_transport(GetParam(), 5000ms);
   const auto held = transport->listen("127.0.0.1", 0);
   const std::string port = std::to_string(held->port());
-  EXPECT_EQ(error_of([&] { transport->listen("127.0.0.1", held->port()); }),
-            "--kv-transfer-port " + port + ": 127.0.0.1:" + port +
-                " is in use (another process listens there)");
+  EXPECT_EQ(
+      error_of([&] { transport->listen("127.0.0.1", held->port()); }),
+      "--kv-transfer-port " + port + ": 127.0.0.1:" + port +
+          " is in use (another socket holds it: a listener, or a connection made from that port)");
 }
 
 TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {

@@ -864,12 +864,16 @@ TEST(HttpServer, APrefixRouteTakesThePathsUnderItThatHaveNoRouteOfTheirOwn) {
 // The server's listen said "HttpServer: cannot listen on 127.0.0.1:P: Address already in use" and
 // the check before an engine's load said it otherwise: one helper binds both (and the KV transfer
 // listener), naming the flag and the address.
+// A port in use may hold no listener: a connection made from it (the ports' kernel pick of an
+// outbound connection) takes it too, so the error says either. The server names the flags its
+// options say set the address (the gateway's "--port/listen.port").
 TEST(HttpServer, AListenAddressThatCannotBeTakenIsRefusedNamingTheFlagAndTheAddress) {
   HttpServer held(local_options());
   held.start();
   const std::string port = std::to_string(held.port());
-  const std::string in_use =
-      "--port " + port + ": 127.0.0.1:" + port + " is in use (another process listens there)";
+  const std::string in_use = "--port " + port + ": 127.0.0.1:" + port +
+                             " is in use (another socket holds it: a listener, or a connection "
+                             "made from that port)";
   HttpServerOptions same = local_options();
   same.port = held.port();
   HttpServer second(same);
@@ -877,6 +881,28 @@ TEST(HttpServer, AListenAddressThatCannotBeTakenIsRefusedNamingTheFlagAndTheAddr
   EXPECT_EQ(testing::error_of(
                 [&] { check_listen_address("--host", "127.0.0.1", "--port", held.port()); }),
             in_use);
+  same.host_flag = "--host/listen.host";
+  same.port_flag = "--port/listen.port";
+  HttpServer from_topology(same);
+  EXPECT_EQ(testing::error_of([&] { from_topology.start(); }),
+            "--port/listen.port" + in_use.substr(6));
+  // A connection to the server, made from a port of its own: nothing listens on that port.
+  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(client, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  socklen_t length = sizeof a;
+  ::getsockname(client, reinterpret_cast<sockaddr*>(&a), &length);
+  const uint16_t from = ntohs(a.sin_port);
+  a.sin_port = htons(held.port());
+  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const std::string from_port = std::to_string(from);
+  EXPECT_EQ(testing::error_of([&] { check_listen_address("--host", "127.0.0.1", "--port", from); }),
+            "--port " + from_port + ": 127.0.0.1:" + from_port +
+                " is in use (another socket holds it: a listener, or a connection made from "
+                "that port)");
+  ::close(client);
   // An address of no interface here is the host's fault, named by its flag.
   const std::string elsewhere =
       testing::error_of([&] { check_listen_address("--engine-host", "192.0.2.1", "--x", 0); });
