@@ -60,8 +60,9 @@ void check_unused_run_flags(const BenchCliOptions& o) {
                 "asked for: give --html too");
 }
 
-// "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both;
-// errors name `flag`.
+// "HOST:PORT" or "http://HOST:PORT" into host and port: a server's address as the gateway parses
+// one (gateway::parse_server_address, its endpoint parser without the bootstrap port); errors
+// name `flag`.
 std::pair<std::string, uint16_t> split_url(const std::string& url, const std::string& flag) {
   const gateway::Endpoint e = gateway::parse_server_address(url, flag);
   return {e.host, e.port};
