@@ -263,7 +263,8 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
           return Applied{400, nullptr, why};
         return Applied{201, dispatcher.endpoint_json(id), {}};
       },
-      [](json&, const json&) {});  // the first replica's view of the engine
+      // Every replica's share of its limit, as GET /admin/endpoints shows it.
+      [](json& first, const json& next) { merge_endpoint(first, next); });
 }
 
 void AdminApi::remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {

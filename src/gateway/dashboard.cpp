@@ -74,6 +74,8 @@ void merge_load_source(json& into, const json& next) {
   into["load_source"] = joined;
 }
 
+}  // namespace
+
 // One engine as two replicas see it: each has its own requests on it, its own health verdict and
 // its own poll of its load.
 void merge_endpoint(json& into, const json& next) {
@@ -102,6 +104,8 @@ void merge_endpoint(json& into, const json& next) {
   }
   add_counts(into, next, "reuse");
 }
+
+namespace {
 
 // An engine's entry across replicas: removed and added again at once, one name can have a
 // draining entry beside the new one.

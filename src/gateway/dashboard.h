@@ -35,6 +35,10 @@ void merge_dashboard_state(nlohmann::json& into, const nlohmann::json& next);
 // the order they were first listed, with every replica's requests on it, and healthy only where
 // every replica finds it so.
 void merge_endpoint_lists(nlohmann::json& into, const nlohmann::json& next);
+// Adds another replica's entry of the same engine (Dispatcher::endpoint_json) to `into`, as
+// merge_endpoint_lists merges each: its requests and in-flight limits summed, healthy only where
+// every replica finds it so.
+void merge_endpoint(nlohmann::json& into, const nlohmann::json& next);
 
 class Dashboard {
  public:
