@@ -224,9 +224,6 @@ TEST_F(VirtualKvLinks, AnAbandonmentsRefusalExpiresWithTheTimeout) {
   EXPECT_NE(prefill_->open_room(7, 1234, 11, room_end(end)), 0u);
 }
 
-// A transfer a slow-link fault slows past what the virtual clock counts (a long prompt over a
-// link slowed a millionfold takes centuries) fails alone, saying which flags made it so; the run
-// goes on (it used to end with the clock's own error, every result lost).
 // A prefill leg that comes before its decode leg waits for it however long its prompt computes,
 // as the live agent's reaper leaves a room whose layers are not all written; its timeout counts
 // from its last layer (KvTransferAgent::room_layers_done). Timeout 30 s.
@@ -299,6 +296,53 @@ TEST_F(VirtualKvLinks, ADecodeLegLateForAFailedPrefillLegIsFailedAtOnce) {
   decode_->fetch(f, fetch_end(again));
   run_until(60);
   EXPECT_FALSE(again.result.has_value());
+}
+
+// The marker a prefill leg that failed alone leaves refuses no prefill leg: a new one of the same
+// prompt (the gateway's retry) opens the room afresh, as live, uses the marker up, and is served.
+TEST_F(VirtualKvLinks, APrefillLegReopeningARoomWhosePrefillLegFailedAloneIsServed) {
+  RoomEnd failed, retried;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(failed));
+  ASSERT_NE(claim, 0u);
+  prefill_->room_failed(7, claim, "the prefill request was cancelled");
+  run_until(1);
+  ASSERT_EQ(failed.ok, std::optional<bool>(false));
+
+  uint64_t again = 0;
+  EXPECT_NO_THROW(again = prefill_->open_room(7, 1234, 8, room_end(retried)));
+  ASSERT_NE(again, 0u);
+  prefill_->room_layers_done(7, again, 2);
+  FetchEnd fetched;
+  decode_->fetch(registration(), fetch_end(fetched));
+  run_until(2);
+  ASSERT_TRUE(fetched.result.has_value());
+  EXPECT_TRUE(fetched.result->ok) << fetched.result->error;
+  EXPECT_EQ(retried.ok, std::optional<bool>(true)) << retried.error;
+}
+
+// The marker lasts the timeout: a decode leg that registers later waits for its prefill leg, and
+// gives up at its own timeout as the prefill engine's fault. Timeouts 30 s: the marker of the
+// prefill leg failed at 0 s is gone at 30 s; the decode leg sends its registration at 31 s.
+TEST_F(VirtualKvLinks, AFailedPrefillLegsMarkerExpiresWithTheTimeout) {
+  RoomEnd failed;
+  const uint64_t claim = prefill_->open_room(7, 1234, 8, room_end(failed));
+  ASSERT_NE(claim, 0u);
+  prefill_->room_failed(7, claim, "the prefill request was cancelled");
+  run_until(31);
+  ASSERT_EQ(failed.ok, std::optional<bool>(false));
+
+  FetchEnd late;
+  decode_->fetch(registration(), fetch_end(late));
+  run_until(60);
+  EXPECT_FALSE(late.result.has_value()) << late.result->error;
+  run_until(100);
+  ASSERT_TRUE(late.result.has_value());
+  EXPECT_FALSE(late.result->ok);
+  EXPECT_TRUE(late.result->prefill_fault);
+  EXPECT_EQ(late.result->error,
+            "the prefill of bootstrap_room 7 made no progress within 30 s (0 of its 8 tokens "
+            "computed)");
+  EXPECT_NEAR(late.at_s, 61, 1e-6);
 }
 
 // With both legs there and no layer written yet, the live decode engine waits for the prompt's
@@ -633,6 +677,9 @@ TEST_F(VirtualKvLinksSlowRoom, AStallExtendedPastTheTimeoutAfterThePlannedEndFai
   EXPECT_NEAR(fetched.at_s, 4.00005, 1e-9);
 }
 
+// A transfer a slow-link fault slows past what the virtual clock counts (a long prompt over a
+// link slowed a millionfold takes centuries) fails alone, saying which flags made it so; the run
+// goes on (it used to end with the clock's own error, every result lost).
 TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   const int64_t tokens = int64_t{1} << 45;  // 16 bytes each: 10^10 s at 25 GB/s slowed 10^6 x
   net_.slow("prefill", 1e6);
