@@ -1981,11 +1981,9 @@ void start_probes(Cluster& c) {
 // Two groups, each with a prefill and a decode engine, sequential mode, engines ejected at their
 // first failed probe.
 Topology two_groups(int64_t p0_limit = 0) {
-  Topology t = disaggregated(PdMode::kSequential, {engine("p0", 0, p0_limit), engine("p1", 1)},
-                             {engine("d0", 0), engine("d1", 1)});
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
-  return t;
+  return probed_every_second(disaggregated(PdMode::kSequential,
+                                           {engine("p0", 0, p0_limit), engine("p1", 1)},
+                                           {engine("d0", 0), engine("d1", 1)}));
 }
 
 // Sequential mode prefills only where the prompt's KV can be decoded: a prefill engine whose
@@ -2556,10 +2554,8 @@ TEST(Dispatcher, ADecodeLegFailedByItsPrefillEngineLeavesTheDecodeEnginesCountAs
 // transfer it failed then is load (a prompt queued past the transfer timeout), counted as
 // overload as a leg's own timeout would be, never towards ejecting it.
 TEST(Dispatcher, AKvTransferFailedByAPrefillEngineThatPassesItsProbesIsOverload) {
-  Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
+  Topology t = probed_every_second(disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")}));
   t.prefill_retries = 0;
-  t.health.failures_to_eject = 1;
-  t.health.probe_interval = milliseconds(1000);
   Cluster c(t);
   start_probes(c);
   auto client = c.send();
