@@ -114,6 +114,8 @@ void EngineChild::read_start(Clock::time_point now, std::chrono::milliseconds wa
       ports_ = seen_;
       state_ = State::kRunning;
       started_at_ = now;
+      next_probe_at_ = now + options_.probe_interval;
+      unanswered_since_.reset();
       return;
     }
   }
@@ -133,6 +135,44 @@ void EngineChild::back_off(Clock::time_point now, const std::string& why) {
   restart_at_ = now + delay;
 }
 
+void EngineChild::watch_health(Clock::time_point now) {
+  if (options_.hang_timeout <= std::chrono::milliseconds(0) || !options_.probe) return;
+  if (!probe_.valid() && now >= next_probe_at_) {
+    probe_started_at_ = now;
+    next_probe_at_ = now + options_.probe_interval;
+    probe_ = options_.probe(ports_);
+  }
+  if (!probe_.valid() || probe_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+    return;
+  bool answered = false;
+  try {
+    answered = probe_.get();
+  } catch (const std::exception&) {  // a probe that could not ask: unanswered
+  }
+  if (answered) {
+    unanswered_since_.reset();
+    return;
+  }
+  // Measured from a probe's start, not from the last answer: serve itself stopped (Ctrl-Z) for a
+  // while must not find its engines hung once it goes on.
+  if (!unanswered_since_) unanswered_since_ = probe_started_at_;
+  const auto silent =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now - *unanswered_since_);
+  if (silent < options_.hang_timeout) return;
+  const pid_t pid = process_->pid();
+  process_->signal(SIGKILL);  // a hung or stopped engine would not act on SIGTERM
+  process_.reset();           // reaped at once
+  const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - started_at_);
+  const auto delay = backoff_.next_delay(ran, quick_deaths_);
+  std::fprintf(stderr,
+               "tandem serve: %s (pid %d) is hung: its /health has not answered for %s "
+               "(--engine-hang-seconds: %s); killed it (SIGKILL), restarting it in %s\n",
+               where().c_str(), static_cast<int>(pid), seconds(silent).c_str(),
+               seconds(options_.hang_timeout).c_str(), seconds(delay).c_str());
+  state_ = State::kBackingOff;
+  restart_at_ = now + delay;
+}
+
 std::string EngineChild::where() const {
   return options_.name + " on port " + std::to_string(ports_.http);
 }
@@ -142,7 +182,11 @@ void EngineChild::supervise(Clock::time_point now) {
     case State::kRunning: {
       const pid_t pid = process_->pid();
       const std::optional<int> status = process_->exited();  // reaps it: no zombie
-      if (!status) return;
+      if (!status) {
+        watch_health(now);
+        return;
+      }
+      probe_ = {};  // one to a dead engine ends at once (refused or closed)
       const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - started_at_);
       const auto delay = backoff_.next_delay(ran, quick_deaths_);
       std::fprintf(stderr, "tandem serve: %s (pid %d) %s %d; restarting it in %s\n",

@@ -7,12 +7,18 @@
 // tick by tick, so that serve keeps acting on stop signals and supervising its other engines while
 // a restarted engine loads (minutes for a real model), and an engine that hangs before naming its
 // ports is killed at its start deadline and tried again after the back-off.
+//
+// A running engine that hangs (stopped with SIGSTOP, frozen, deadlocked) does not die, and the
+// gateway only ejects it: its /health is probed, and one that has not answered for the hang
+// timeout is killed (SIGKILL) and restarted as a dead one is, so that a frozen engine comes back.
 #include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -40,6 +46,10 @@ class EngineChild {
   using Clock = std::chrono::steady_clock;
   // The engine's command line (argv[0] included) for these ports.
   using Args = std::function<std::vector<std::string>(const EnginePorts&)>;
+  // Whether the engine's /health answered, with any status (a busy or draining engine answers on
+  // its io thread): ready once the probe knows, which bounds its own wait. serve asks over HTTP
+  // on a thread of its own, so that supervise() does not wait on a hung engine; tests answer.
+  using HealthProbe = std::function<std::future<bool>(const EnginePorts&)>;
 
   enum class State {
     kStarting,    // its process runs; its ports are not all named yet
@@ -54,6 +64,11 @@ class EngineChild {
     // tried again after the back-off).
     std::chrono::milliseconds start_timeout = std::chrono::minutes(30);
     std::string program = "/proc/self/exe";  // this `tandem`; tests run fake engines
+    // A running engine whose /health has gone unanswered this long (from the first unanswered
+    // probe's start to a later one's failure) is hung: killed and restarted. 0: never probed.
+    std::chrono::milliseconds hang_timeout{0};
+    std::chrono::milliseconds probe_interval = std::chrono::seconds(5);  // between probes' starts
+    HealthProbe probe;
   };
 
   // Starts the engine and waits until it names its ports (a stop signal meanwhile is serve's
@@ -67,7 +82,9 @@ class EngineChild {
   // Never blocks (but to reap an engine killed at its start deadline): reaps the engine if it
   // died (logging why, on standard error), starts it again on the same ports once its back-off
   // delay has passed (a line on standard output says so, with the new pid), reads what a
-  // starting engine printed, and kills one whose start deadline has passed.
+  // starting engine printed, and kills one whose start deadline has passed. Probes a running
+  // engine's /health (Options::hang_timeout) and kills one that is hung, logging why, to restart
+  // it after the back-off.
   void supervise(Clock::time_point now);
   // Ends the engine; the destructor waits. A running one gets SIGTERM and shuts down in order; a
   // starting one SIGKILL: it has nothing to shut down yet (on SIGTERM it would exit at once),
@@ -88,6 +105,9 @@ class EngineChild {
   void read_start(Clock::time_point now, std::chrono::milliseconds wait);
   // Kills a starting engine that failed (SIGKILL, reaped) and schedules its next try.
   void back_off(Clock::time_point now, const std::string& why);
+  // Starts a health probe when one is due, reads a finished one, and kills (SIGKILL) a running
+  // engine hung for the hang timeout, to restart after the back-off.
+  void watch_health(Clock::time_point now);
   std::string where() const;
 
   const Options options_;
@@ -103,6 +123,10 @@ class EngineChild {
   Clock::time_point start_deadline_{};  // kStarting until
   Clock::time_point restart_at_{};      // kBackingOff until
   int quick_deaths_ = 0;
+  std::future<bool> probe_;  // the health probe under way; invalid when none is
+  Clock::time_point probe_started_at_{}, next_probe_at_{};
+  // When the first probe that went unanswered started, since the last one that was answered.
+  std::optional<Clock::time_point> unanswered_since_;
 };
 
 // How long serve's engines have to stop once signalled before they are killed: ChildProcess's

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,8 @@ namespace {
 
 // The most engines of a role one serve starts.
 constexpr int kMaxEngines = 64;
+// The longest an engine's health probe waits for its answer, and between two probes.
+constexpr std::chrono::milliseconds kProbeWait = std::chrono::seconds(5);
 
 struct ServeOptions {
   bool kv_events = false;
@@ -58,7 +61,7 @@ struct ServeOptions {
   GatewayFailureFlags gateway_failure;      // `tandem gateway`'s, for every gateway replica
   GatewayCapacityFlags gateway_capacity;    // likewise
   int port = kDefaultGatewayPort, prefill = 1, decode = 1, expert_parallel = 1,
-      speculative_tokens = 0, gateways = 1, engine_start_timeout_s = 1800;
+      speculative_tokens = 0, gateways = 1, engine_start_timeout_s = 1800, engine_hang_seconds = 30;
   bool no_gateway_tokenizer = false, batch_invariant = false;
   std::string reasoning_parser;  // passed to every engine
   double shutdown_timeout = default_shutdown_timeout();
@@ -359,6 +362,21 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     child.name = role == "prefill" ? "prefill engine" : "decode engine";
     child.kv_events = o.kv_events;
     child.start_timeout = std::chrono::seconds(o.engine_start_timeout_s);
+    child.hang_timeout = std::chrono::seconds(o.engine_hang_seconds);
+    // Several probes within the hang timeout, each bounded by it: a hung engine accepts the
+    // connection (the kernel does) and never answers.
+    const auto probe_wait = std::min<std::chrono::milliseconds>(child.hang_timeout, kProbeWait);
+    child.probe_interval = std::min<std::chrono::milliseconds>(child.hang_timeout / 3, kProbeWait);
+    child.probe = [&engine_address, probe_wait](const EnginePorts& ports) {
+      return std::async(std::launch::async, [host = engine_address, port = ports.http, probe_wait] {
+        try {
+          net::http_request(host, port, "GET", "/health", {}, {}, probe_wait);
+          return true;  // any status: a draining or failed engine answers, a hung one does not
+        } catch (const std::exception&) {
+          return false;
+        }
+      });
+    };
     children.push_back(std::make_unique<EngineChild>(
         std::move(child),
         [&engine_args, role](const EnginePorts& ports) { return engine_args(role, ports); },
@@ -460,6 +478,12 @@ void add_serve_command(CLI::App& app) {
                   "after the restart back-off")
       ->capture_default_str()
       ->check(CLI::Range(1, 7 * 24 * 3600));
+  cmd->add_option("--engine-hang-seconds", o->engine_hang_seconds,
+                  "seconds a running engine's /health may go unanswered (it is stopped, frozen, "
+                  "deadlocked; a busy engine still answers) before serve kills it (SIGKILL) and "
+                  "restarts it on its ports, as it restarts an engine that died; 0: never")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 7 * 24 * 3600));
   cmd->add_option("--port", o->port, "gateway port (0: any free port)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));

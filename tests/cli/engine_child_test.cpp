@@ -7,6 +7,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -130,6 +131,71 @@ TEST(EngineChild, ARestartDoesNotWaitForTheEngineAndEndsAtItsDeadline) {
   child.terminate();
   EXPECT_TRUE(eventually([&] { return process_state(starting) == 'Z'; }))
       << "state " << process_state(starting);
+}
+
+// A running engine whose /health goes unanswered (this one is stopped with SIGSTOP, and the
+// probe, which serve runs over HTTP, answers as it would) is killed once unanswered for the hang
+// timeout, and restarted on its ports. An answer in between starts the count over, and so does
+// a long pause of serve's own (Ctrl-Z): the count starts at an unanswered probe's start.
+TEST(EngineChild, AnEngineWhoseHealthGoesUnansweredForTheHangTimeoutIsKilledAndRestarted) {
+  const StopSignals signals;
+  const auto args = [](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role both'; exec sleep 1000"};
+  };
+  bool answering = true;
+  int probes = 0;
+  EngineChild::Options o = options(5min);
+  o.hang_timeout = 30s;
+  o.probe_interval = 5s;
+  o.probe = [&](const EnginePorts& ports) {
+    ++probes;
+    EXPECT_EQ(ports.http, 4321);
+    std::promise<bool> answer;
+    answer.set_value(answering);
+    return answer.get_future();
+  };
+  EngineChild child(o, args, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const pid_t first = child.pid();
+  const auto t0 = EngineChild::Clock::now();  // after it started: its first probe is due at 5 s
+  const auto at = [&](std::chrono::seconds s) {
+    child.supervise(t0 + s);
+    return child.state();
+  };
+
+  EXPECT_EQ(at(5s), EngineChild::State::kRunning);
+  EXPECT_EQ(probes, 1);
+  answering = false;
+  EXPECT_EQ(at(10s), EngineChild::State::kRunning);  // unanswered since 10 s
+  answering = true;
+  EXPECT_EQ(at(35s), EngineChild::State::kRunning);  // answered: the count starts over
+  answering = false;
+  EXPECT_EQ(at(300s), EngineChild::State::kRunning) << "serve paused is no hang of the engine's";
+
+  ASSERT_EQ(::kill(first, SIGSTOP), 0);
+  EXPECT_EQ(at(329s), EngineChild::State::kRunning);  // unanswered for 29 s
+  EXPECT_EQ(at(333s), EngineChild::State::kRunning);  // no probe due: nothing new known
+  EXPECT_EQ(probes, 5);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(at(334s), EngineChild::State::kBackingOff);  // unanswered for 34 s
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "tandem serve: decode engine on port 4321 (pid " + std::to_string(first) +
+                ") is hung: its /health has not answered for 34.0 s (--engine-hang-seconds: "
+                "30.0 s); killed it (SIGKILL), restarting it in 1.0 s\n");
+  EXPECT_EQ(child.pid(), -1);
+  EXPECT_EQ(::kill(first, 0), -1) << "not killed and reaped: state " << process_state(first);
+
+  answering = true;
+  EXPECT_NE(at(1h), EngineChild::State::kBackingOff);  // the back-off is over: started again
+  EXPECT_TRUE(eventually([&] { return at(1h) == EngineChild::State::kRunning; }));
+  EXPECT_NE(child.pid(), first);
+  EXPECT_EQ(child.ports().http, 4321);
+  const int before = probes;
+  EXPECT_EQ(at(1h + 5s), EngineChild::State::kRunning);
+  EXPECT_EQ(probes, before + 1) << "the restarted engine is probed as the first was";
 }
 
 // At serve's stop a running engine gets SIGTERM; one that does not act on it (it ignores it

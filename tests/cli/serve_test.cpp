@@ -179,6 +179,38 @@ TEST(ServeSupervisor, AStopSignalWhileARestartedEngineIsStuckStartingEndsServePr
       << "the starting engine (pid " << stuck << ") outlived serve";
 }
 
+// The auditor's case: a running engine stopped with SIGSTOP does not die, so serve restarted it
+// never, and the gateway only ejected it. Its /health unanswered for --engine-hang-seconds, serve
+// kills it and restarts it on its port, where the gateway serves through it again.
+TEST(ServeSupervisor, AnEngineHungPastTheHangTimeoutIsKilledAndRestartedOnItsPort) {
+  std::vector<std::string> flags = kOneEngine;
+  flags.insert(flags.end(), {"--engine-hang-seconds", "1"});
+  Serve serve(flags);
+  const std::string listening = serve.line_with("tandem serve: listening on ");
+  const std::string engine = serve.line_with(" engine http://");
+  const pid_t pid = number_after(engine, "(pid ");
+  ASSERT_GT(pid, 0) << serve.output();
+  serve.track(pid);
+  const std::string port = std::to_string(number_after(engine, "http://127.0.0.1:"));
+
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  EXPECT_THAT(serve.line_with("restarting (pid "), HasSubstr("decode engine on port " + port));
+  const std::string restarted = serve.line_with("restarted (pid ");
+  ASSERT_THAT(restarted, HasSubstr("decode engine on port " + port + " restarted (pid "))
+      << serve.output();
+  const pid_t second = number_after(restarted, "(pid ");
+  serve.track(second);
+  EXPECT_NE(second, pid);
+  EXPECT_TRUE(gone(pid)) << "the hung engine was not killed and reaped";
+
+  const uint16_t gateway = static_cast<uint16_t>(number_after(listening, "127.0.0.1:"));
+  EXPECT_TRUE(eventually([&] {
+    return testing::post_json(gateway, "/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}})
+               .status == 200;
+  }));
+  EXPECT_EQ(serve.process().stop(), 0);
+}
+
 // An engine that names no ports within --engine-start-timeout at the stack's start fails serve,
 // naming the engine and the flag, and is killed with it. (Restarts past their deadline are killed
 // and tried again: engine_child_test, on its own clock.)
