@@ -129,8 +129,13 @@ void EngineChild::back_off(Clock::time_point now, const std::string& why) {
   process_->signal(SIGKILL);  // reaped at once: SIGKILL ends a hung or stopped process too
   process_.reset();
   const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
-  std::fprintf(stderr, "tandem serve: %s (pid %d) did not restart (%s); trying again in %s\n",
-               where().c_str(), static_cast<int>(pid), why.c_str(), seconds(delay).c_str());
+  // Its own error is above (a port another process took since: `--port P: ... is in use`); the
+  // operator needs to know that serve waits for those very ports, and how often it looks.
+  std::fprintf(stderr,
+               "tandem serve: %s (pid %d) did not restart (%s); trying again on its ports (%s) "
+               "in %s, then every %s at most while it fails\n",
+               where().c_str(), static_cast<int>(pid), why.c_str(), ports_text().c_str(),
+               seconds(delay).c_str(), seconds(backoff_.max).c_str());
   state_ = State::kBackingOff;
   restart_at_ = now + delay;
 }
@@ -171,6 +176,13 @@ void EngineChild::watch_health(Clock::time_point now) {
                seconds(options_.hang_timeout).c_str(), seconds(delay).c_str());
   state_ = State::kBackingOff;
   restart_at_ = now + delay;
+}
+
+std::string EngineChild::ports_text() const {
+  std::string text = "HTTP " + std::to_string(ports_.http);
+  if (ports_.kv_transfer != 0) text += ", KV transfer " + std::to_string(ports_.kv_transfer);
+  if (!ports_.events.empty()) text += ", KV events " + ports_.events;
+  return text;
 }
 
 std::string EngineChild::where() const {

@@ -109,6 +109,7 @@ class EngineChild {
   // engine hung for the hang timeout, to restart after the back-off.
   void watch_health(Clock::time_point now);
   std::string where() const;
+  std::string ports_text() const;  // "HTTP 8000, KV transfer 8998": those a restart takes again
 
   const Options options_;
   const Args args_;

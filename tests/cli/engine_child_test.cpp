@@ -198,6 +198,45 @@ TEST(EngineChild, AnEngineWhoseHealthGoesUnansweredForTheHangTimeoutIsKilledAndR
   EXPECT_EQ(probes, before + 1) << "the restarted engine is probed as the first was";
 }
 
+// A restart that fails because another process took the engine's port since (the engine says
+// so and exits) is tried again on those very ports: serve's line says which, and how often.
+TEST(EngineChild, ARestartThatFailsSaysWhichPortsItTriesAgainAndHowOften) {
+  const StopSignals signals;
+  const std::filesystem::path marker = test::temp_path("fake-engine-started");
+  const auto args = [m = marker.string()](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "if [ -e \"$1\" ]; then echo 'tandem: error: --port 4321: in use' >&2; exit 1; fi; "
+        ": > \"$1\"; echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role prefill, KV transfer on [::1]:5555 (advertised as ::1)'; "
+        "exec sleep 1000",
+        "sh", m};
+  };
+  EngineChild child(options(5min), args, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const auto t0 = EngineChild::Clock::now();
+  ASSERT_EQ(::kill(child.pid(), SIGKILL), 0);
+  ASSERT_TRUE(eventually([&] {
+    child.supervise(t0);
+    return child.state() == EngineChild::State::kBackingOff;
+  }));
+  ::testing::internal::CaptureStderr();
+  child.supervise(t0 + 1h);  // starts it again: it fails at once
+  const bool backed_off = eventually([&] {
+    child.supervise(t0 + 1h);
+    return child.state() == EngineChild::State::kBackingOff;
+  });
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  std::filesystem::remove(marker);
+  ASSERT_TRUE(backed_off) << said;
+  EXPECT_THAT(said, HasSubstr("tandem: error: --port 4321: in use"));
+  EXPECT_THAT(said, HasSubstr("tandem serve: decode engine on port 4321 (pid "));
+  EXPECT_THAT(said, HasSubstr("did not restart (its output ended before it named its ports (see "
+                              "its messages above)); trying again on its ports (HTTP 4321, KV "
+                              "transfer 5555) in 2.0 s, then every 30.0 s at most while it "
+                              "fails\n"));
+}
+
 // At serve's stop a running engine gets SIGTERM; one that does not act on it (it ignores it
 // here, as a hung one would) is killed at the deadline instead of holding serve's shutdown.
 TEST(EngineChild, ARunningEngineThatIgnoresTheStopIsKilledAtTheDeadline) {
