@@ -833,6 +833,10 @@ void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, st
           // the attempt can start the client's stream meanwhile.
           std::lock_guard lock(r->mutex);
           if (r->client != ClientState::kNothingSent) return;
+          // Parallel mode: the other leg's client error came before this ran (leg_failed) and
+          // decides the attempt, as it does over any failure of its pair's: its report follows,
+          // and attempt_failed answers it.
+          if (r->decided_attempt == attempt && r->decided_by_client_error) return;
           // Handled, as attempt_failed marks it: a client error or refusal that crosses this
           // cut decides nothing (leg_failed), and the failure answered here (a timed-out whole
           // answer) stays its engine's.

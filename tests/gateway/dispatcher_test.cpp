@@ -1416,6 +1416,40 @@ TEST(Dispatcher, AParallelLegsClientErrorCrossingThePairsTimedOutWholeAnswerChan
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// Parallel mode: the decode leg's whole answer timed out (its deadline cut it), or was larger than
+// the gateway holds, and the prefill leg's client error (a 400) came before that was answered: the
+// 400 decides the attempt, as it does over any failure of its pair's. The client was answered 504
+// (or 502) "engine a sent no whole answer", and its 400 was lost.
+TEST(Dispatcher, AParallelLegsClientErrorBeforeThePairsTimedOutOrTooLargeAnswerIsAnsweredDecides) {
+  for (const bool timed_out : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "timed out " << timed_out);
+    Topology t = two_engines_each_ejected_at_one_failure(PdMode::kParallel);
+    t.timeouts.first_token = milliseconds(500);
+    t.max_answer_bytes = 1024;
+    Cluster c(t);
+    auto client = c.send(false);
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    ASSERT_EQ(host_of(*legs[0]), "p1");
+    ASSERT_EQ(host_of(*legs[1]), "a");
+    if (timed_out) {
+      c.engines.answer_after_cancel = true;  // the decode leg's deadline cuts it; the test ends it
+      c.clock.advance_by(milliseconds(500));
+      ASSERT_TRUE(legs[1]->cancelled);
+      c.engines.answer_after_cancel = false;
+    } else {
+      FakeEngines::head(*legs[1], 200, "application/json");
+      ASSERT_FALSE(FakeEngines::piece(*legs[1], std::string(1100, 'x')));
+    }
+    FakeEngines::finish(*legs[1], "cancelled");             // its answer (504 or 502) is posted
+    FakeEngines::answer(*legs[0], 400, kMaxTokensInvalid);  // and the 400 comes before it runs
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 400);
+    EXPECT_EQ(client->body, kMaxTokensInvalid);
+    expect_decided_by_the_clients_error(c);
+  }
+}
+
 // A refusal retried where every engine of a pool was tried waits the retry backoff, lest it meet
 // the same full queue at once; an engine that failed the request (and did not refuse it) is no
 // full queue. Parallel mode, one prefill engine: p1 failed the first attempt, a decode engine
