@@ -3743,10 +3743,14 @@ TEST(Dispatcher, ARequestStartedAgainFromItsPrefillLetsGoOfItsDecodeBody) {
     EXPECT_TRUE(r->decode_body.empty());
     EXPECT_LT(r->decode_body.capacity(), held) << "its memory is let go of";
   }
-  prefill_answers(c);
+  // The prompt is prefilled anew, its KV held in other blocks: the decode leg takes it from there.
+  json again = kHeldKv;
+  again["remote_block_ids"] = {3, 4};
+  FakeEngines::answer(*retry[0], 200, json{{"kv_transfer_params", again}}.dump());
+  c.clock.run_ready();
   auto decode = c.engines.open("/v1/completions");
   ASSERT_EQ(decode.size(), 1u);
-  EXPECT_EQ(json::parse(decode[0]->request.body)["kv_transfer_params"], kHeldKv);
+  EXPECT_EQ(json::parse(decode[0]->request.body)["kv_transfer_params"], again);
   c.answer_all("decoded");
   EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.dispatcher.active(), 0u);
