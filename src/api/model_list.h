@@ -30,10 +30,11 @@ std::string model_json(const ModelCard& model);
 // "deepseek-ai/DeepSeek-V3" as it is, its Node client (encodeURIComponent) as
 // deepseek-ai%2FDeepSeek-V3: both name that model.
 std::string retrieved_model_id(std::string_view path);
-// Whether a retrieved id has a "." or ".." segment, which a proxy or engine the path is relayed
-// to would resolve into another route (/v1/models/../completions), never a model's. Only relaying
-// refuses it: a server answers its own model's id whatever it is (`--model ./Qwen3-8B` serves
-// "./Qwen3-8B", which the Node client sends as .%2FQwen3-8B).
+// Whether `path` (an id, or a path) has a "." or ".." segment, which a proxy or engine the path
+// is relayed to would resolve into another route (/v1/models/../completions), never a model's.
+// Only relaying refuses it, and of the path as sent, whose %2F separates no segments: a server
+// answers its own model's id whatever it is (`--model ./Qwen3-8B` serves "./Qwen3-8B", which the
+// Node client sends as .%2FQwen3-8B, one segment, relayed as it is).
 bool has_dot_segment(std::string_view id);
 // The answer to GET `path` of a server serving `model`: its object when retrieved_model_id(path)
 // is its id, else 404 model_not_found naming the id, as a request naming an unknown model is
