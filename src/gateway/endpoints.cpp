@@ -256,7 +256,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
       ++total;
       if (e.draining)
         ++draining;
-      else if (!e.not_serving.empty())  // alive: no failure to look for
+      else if (!e.not_serving.empty() && !e.probe_failed)  // alive: no failure to look for
         ++other_model;
       else if (!e.admitted && !e.healthy)  // new, never took a request: no failure to look for
         ++not_admitted;
@@ -388,10 +388,12 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now, const s
       e->healthy_gauge->set(0);
       update_ready();
     }
-    if (e->healthy)
+    if (e->healthy) {
       failure(*e, "a failed health probe");
-    else
+    } else {
       ++e->failed_probes_while_out;
+      ++e->failed_probes_while_out_total;
+    }
     return !e->healthy && (was_healthy || !was_failing);
   }
   const int failed_probes = e->failed_probes_while_out;

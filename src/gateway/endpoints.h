@@ -86,6 +86,9 @@ struct EndpointState {
   // apart, as no request or failure of an engine in service is (failures_total stays still while
   // an engine is simply down). Reset by a passing probe.
   int failed_probes_while_out = 0;
+  // Every such probe since it joined, never reset: with failures_total, every failed call to it
+  // (the simulator's count of failed engine calls; no metric, as failures_total stays still).
+  int64_t failed_probes_while_out_total = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
   GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
   EngineLoadState load;  // its GET /load reports (tandem engines)

@@ -41,6 +41,13 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
+// Every call to an engine that failed: the gateway's failures_total (legs, and probes while the
+// engine is in routing) and the probes it failed once out of routing, which the gateway counts
+// apart so that its failure rate stands still while an engine is simply down.
+int64_t failed_calls(const gateway::EndpointState& e) {
+  return static_cast<int64_t>(e.failures_total->value()) + e.failed_probes_while_out_total;
+}
+
 // A client of the gateway: it streams its answer and measures it as `tandem bench` does; it never
 // goes away before the answer is complete.
 class MeasuredClient final : public gateway::ClientReply {
@@ -460,7 +467,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     for (int id : endpoint_ids) {
       const gateway::EndpointState* seen = endpoints.find(id);
       c.healthy.push_back(seen->healthy);
-      c.failures.push_back(static_cast<int64_t>(seen->failures_total->value()));
+      c.failures.push_back(failed_calls(*seen));
     }
     c.calls = upstream.calls();
     c.timeouts = upstream.timeouts();
@@ -611,7 +618,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     EngineSummary s;
     s.healthy = seen->healthy;
     s.ejections = static_cast<int64_t>(seen->ejections_total->value());
-    run.engine_failures += static_cast<int64_t>(seen->failures_total->value());
+    run.engine_failures += failed_calls(*seen);
     s.name = e.name();
     s.prefill = e.engine().role() == engine::EngineRole::kPrefill;
     s.steps = e.steps();

@@ -588,6 +588,29 @@ TEST(HealthMonitor, AJoiningEngineThatServedAnotherModelIsAdmittedNotReadmittedO
   EXPECT_EQ(m.limit_of("late"), 1);  // readmitted: slow start
 }
 
+// An engine that joined serving another model and then died is down: the 503 of no engine
+// counts it not admitted (its probes fail), as any engine whose probes fail, no longer as
+// serving another model (alive), which sent an operator to its model list.
+TEST(HealthMonitor, TheNoEngineAnswerCountsAnEngineThatServedAnotherModelAndDiedAsDown) {
+  Monitor m(one_engine(Dialect::kVllm));
+  m.health.start();
+  m.clock.run_ready();
+  m.checked("a", 200, list_of("m", "vllm"));
+  m.endpoints.drain(m.id_of("a"));
+  m.endpoints.add(false, engine("late"));
+  m.clock.run_ready();
+  ::testing::internal::CaptureStderr();
+  m.checked("late", 200, list_of("other", "vllm"));
+  m.clock.advance_by(m.topo.health.probe_interval);
+  m.clock.run_ready();
+  ASSERT_TRUE(m.engines.answer("late.engines", "/health", 503, ""));
+  m.clock.run_ready();
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(m.endpoints.pools_state({false}, m.clock.now()),
+            "decode pool: 1 engine, 1 not admitted yet (new, its health probe failed; probed "
+            "each interval)");
+}
+
 // A reload that changes a pool's max_in_flight replaces each of its engines: one at the name and
 // address of an engine that passed its checks is not held again, while a new engine is.
 TEST(HealthMonitor, AnEngineAReloadReplacesWithNewSettingsIsNotHeldAgain) {

@@ -1140,7 +1140,9 @@ TEST(ClusterSimulation, IdleGapsAreSkippedAndTheRunIsTheSame) {
     SCOPED_TRACE(pd ? "parallel P/D" : "aggregated");
     EXPECT_GT(skipped.skipped_s, 1000);
     EXPECT_EQ(whole.skipped_s, 0);
-    EXPECT_GT(whole.engine_failures, 0);  // the killed engine's probes
+    // The killed engine's probes, one every 2 s for the ~550 s after its death (out of routing
+    // after its first few: counted apart from failures_total); the skipped run counts them too.
+    EXPECT_GT(whole.engine_failures, 200);
     expect_same_run(skipped, whole);
   }
 }
