@@ -686,8 +686,13 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
       std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
     }
     const bool cancelled = leg->gateway_cancelled.load();
-    const bool fault = !leg->room_abandoned && !leg->kv_transfer_failed && !leg->kv_expired &&
-                       ((!error.empty() && !cancelled) || leg->status >= 500 || leg->engine_error);
+    // A call cut once the client had the whole answer, or the engine's error event (which
+    // decided the request), is no failure of the engine's: the gateway's cut of an event too
+    // large after it reads "cancelled", and a reset then changes nothing the client got.
+    const bool decided = leg->stream_done || leg->error_event_sent;
+    const bool fault =
+        !leg->room_abandoned && !leg->kv_transfer_failed && !leg->kv_expired &&
+        ((!error.empty() && !cancelled && !decided) || leg->status >= 500 || leg->engine_error);
     // Counted once: a leg the gateway gave up on had its pair's other leg fail first (counted),
     // or its client leave.
     const bool kv_source_failed = leg->kv_transfer_failed && !cancelled && kv_source >= 0;

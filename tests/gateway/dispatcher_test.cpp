@@ -1607,6 +1607,36 @@ TEST(Dispatcher, ARateLimitMidStreamThenACloseWithoutDoneStaysTheEnginesRefusal)
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// Once the engine's error event for the client's mistake reached the client, the request is
+// decided (a 400): a connection to the engine that breaks afterwards, or an event too large after
+// it (the gateway's own cut), is no failure of the engine's. The record said 400 while the leg
+// counted toward the engine's ejection.
+TEST(Dispatcher, AClientErrorEventMidStreamThenACutIsNotTheEnginesFailure) {
+  for (const bool oversized : {false, true}) {
+    SCOPED_TRACE(oversized ? "an event too large after it" : "the connection reset after it");
+    Topology t = one_engine_without_retries();
+    t.max_answer_bytes = 4096;
+    Cluster c(t);
+    c.dispatcher.dashboard_state();
+    auto client = c.send(true);
+    auto call = c.engines.open("/v1/completions").at(0);
+    FakeEngines::head(*call, 200, "text/event-stream");
+    ASSERT_TRUE(FakeEngines::piece(*call, kTokenEvent + net::sse_event(kNoTokenError)));
+    if (oversized) {
+      EXPECT_FALSE(FakeEngines::piece(*call, "data: " + std::string(8192, 'x')));
+      FakeEngines::finish(*call, "cancelled");
+    } else {
+      FakeEngines::finish(*call, "connection reset by peer");
+    }
+    c.clock.run_ready();
+    const json record = c.dispatcher.dashboard_state().at("recent").back();
+    EXPECT_EQ(record.value("status", 0), 400) << record;
+    EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"a\"}"),
+              0);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
 // A client whose connection broke as the engine's error event was written to it never had that
 // error: it left (499), as any client whose write failed. The error event counted as written
 // before the write, and the request was recorded as the engine's failure (502).
