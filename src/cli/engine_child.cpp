@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "net/http_client.h"
 #include "util/error.h"
 
 namespace tandem::cli {
@@ -116,6 +117,7 @@ void EngineChild::read_start(Clock::time_point now, std::chrono::milliseconds wa
       started_at_ = now;
       next_probe_at_ = now + options_.probe_interval;
       unanswered_since_.reset();
+      unanswered_probes_ = 0;
       return;
     }
   }
@@ -131,11 +133,8 @@ void EngineChild::back_off(Clock::time_point now, const std::string& why) {
   const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
   // Its own error is above (a port another process took since: `--port P: ... is in use`); the
   // operator needs to know that serve waits for those very ports, and how often it looks.
-  std::fprintf(stderr,
-               "tandem serve: %s (pid %d) did not restart (%s); trying again on its ports (%s) "
-               "in %s, then every %s at most while it fails\n",
-               where().c_str(), static_cast<int>(pid), why.c_str(), ports_text().c_str(),
-               seconds(delay).c_str(), seconds(backoff_.max).c_str());
+  std::fprintf(stderr, "tandem serve: %s (pid %d) did not restart (%s); %s\n", where().c_str(),
+               static_cast<int>(pid), why.c_str(), retry_text(delay).c_str());
   state_ = State::kBackingOff;
   restart_at_ = now + delay;
 }
@@ -143,9 +142,15 @@ void EngineChild::back_off(Clock::time_point now, const std::string& why) {
 void EngineChild::watch_health(Clock::time_point now) {
   if (options_.hang_timeout <= std::chrono::milliseconds(0) || !options_.probe) return;
   if (!probe_.valid() && now >= next_probe_at_) {
-    probe_started_at_ = now;
     next_probe_at_ = now + options_.probe_interval;
-    probe_ = options_.probe(ports_);
+    try {
+      probe_ = options_.probe(ports_);
+      probe_started_at_ = now;
+    } catch (const std::exception& e) {  // no thread for it (std::system_error): skipped
+      std::fprintf(stderr, "tandem serve: %s: cannot probe its /health now (%s)\n", where().c_str(),
+                   e.what());
+      return;
+    }
   }
   if (!probe_.valid() || probe_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
     return;
@@ -156,14 +161,17 @@ void EngineChild::watch_health(Clock::time_point now) {
   }
   if (answered) {
     unanswered_since_.reset();
+    unanswered_probes_ = 0;
     return;
   }
   // Measured from a probe's start, not from the last answer: serve itself stopped (Ctrl-Z) for a
   // while must not find its engines hung once it goes on.
   if (!unanswered_since_) unanswered_since_ = probe_started_at_;
+  ++unanswered_probes_;
   const auto silent =
       std::chrono::duration_cast<std::chrono::milliseconds>(now - *unanswered_since_);
-  if (silent < options_.hang_timeout) return;
+  // One slow answer is no hang, however late serve read it: a second probe must fail too.
+  if (silent < options_.hang_timeout || unanswered_probes_ < 2) return;
   const pid_t pid = process_->pid();
   process_->signal(SIGKILL);  // a hung or stopped engine would not act on SIGTERM
   process_.reset();           // reaped at once
@@ -183,6 +191,11 @@ std::string EngineChild::ports_text() const {
   if (ports_.kv_transfer != 0) text += ", KV transfer " + std::to_string(ports_.kv_transfer);
   if (!ports_.events.empty()) text += ", KV events " + ports_.events;
   return text;
+}
+
+std::string EngineChild::retry_text(std::chrono::milliseconds delay) const {
+  return "trying again on its ports (" + ports_text() + ") in " + seconds(delay) + ", then every " +
+         seconds(backoff_.max) + " at most while it fails";
 }
 
 std::string EngineChild::where() const {
@@ -216,8 +229,8 @@ void EngineChild::supervise(Clock::time_point now) {
         start(now);
       } catch (const std::exception& e) {  // no process: fork failed
         const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
-        std::fprintf(stderr, "tandem serve: %s did not restart (%s); trying again in %s\n",
-                     where().c_str(), e.what(), seconds(delay).c_str());
+        std::fprintf(stderr, "tandem serve: %s did not restart (%s); %s\n", where().c_str(),
+                     e.what(), retry_text(delay).c_str());
         restart_at_ = now + delay;
         return;
       }
@@ -254,6 +267,23 @@ void EngineChild::wait_until(Clock::time_point deadline) {
 
 bool EngineChild::ended() {
   return !process_ || process_->exited().has_value();
+}
+
+EngineChild::HealthProbe engine_health_probe(std::string host, std::chrono::milliseconds wait) {
+  return [host = std::move(host), wait](const EnginePorts& ports) {
+    return std::async(std::launch::async, [host, port = ports.http, wait] {
+      const auto started = std::chrono::steady_clock::now();
+      try {
+        net::http_request(host, port, "GET", "/health", {}, {}, wait);
+        return true;  // any status: a busy, draining or failed engine answers, a hung one does not
+      } catch (const std::exception&) {
+        // A timeout ends it after `wait` (each step of the request has that bound); a peer that
+        // closes, resets or refuses the connection ends it at once, which a stopped or frozen
+        // process does not do. Half the wait tells them apart with room on both sides.
+        return std::chrono::steady_clock::now() - started < wait / 2;
+      }
+    });
+  };
 }
 
 std::chrono::milliseconds engine_stop_grace(std::chrono::milliseconds engine_drain) {

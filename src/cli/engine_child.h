@@ -8,9 +8,11 @@
 // a restarted engine loads (minutes for a real model), and an engine that hangs before naming its
 // ports is killed at its start deadline and tried again after the back-off.
 //
-// A running engine that hangs (stopped with SIGSTOP, frozen, deadlocked) does not die, and the
-// gateway only ejects it: its /health is probed, and one that has not answered for the hang
-// timeout is killed (SIGKILL) and restarted as a dead one is, so that a frozen engine comes back.
+// A running engine that hangs (stopped with SIGSTOP, or frozen: its HTTP server does not answer)
+// does not die, and the gateway only ejects it: its /health is probed, and one that has not
+// answered for the hang timeout is killed (SIGKILL) and restarted as a dead one is, so that a
+// frozen engine comes back. An engine whose io thread answers while its scheduler is stuck is not
+// seen as hung.
 #include <sys/types.h>
 
 #include <chrono>
@@ -65,7 +67,9 @@ class EngineChild {
     std::chrono::milliseconds start_timeout = std::chrono::minutes(30);
     std::string program = "/proc/self/exe";  // this `tandem`; tests run fake engines
     // A running engine whose /health has gone unanswered this long (from the first unanswered
-    // probe's start to a later one's failure) is hung: killed and restarted. 0: never probed.
+    // probe's start to a later one's failure: two probes at least, so that one slow answer never
+    // kills) is hung: killed and restarted. 0: never probed. Each probe's own wait should be at
+    // most half of it, and probe_interval a third, for the second probe to end within it.
     std::chrono::milliseconds hang_timeout{0};
     std::chrono::milliseconds probe_interval = std::chrono::seconds(5);  // between probes' starts
     HealthProbe probe;
@@ -110,6 +114,8 @@ class EngineChild {
   void watch_health(Clock::time_point now);
   std::string where() const;
   std::string ports_text() const;  // "HTTP 8000, KV transfer 8998": those a restart takes again
+  // "trying again on its ports (...) in 2.0 s, then every 30.0 s at most while it fails"
+  std::string retry_text(std::chrono::milliseconds delay) const;
 
   const Options options_;
   const Args args_;
@@ -126,9 +132,19 @@ class EngineChild {
   int quick_deaths_ = 0;
   std::future<bool> probe_;  // the health probe under way; invalid when none is
   Clock::time_point probe_started_at_{}, next_probe_at_{};
-  // When the first probe that went unanswered started, since the last one that was answered.
+  // When the first probe that went unanswered started, since the last one that was answered, and
+  // how many have gone unanswered since.
   std::optional<Clock::time_point> unanswered_since_;
+  int unanswered_probes_ = 0;
 };
+
+// serve's health probe: GET /health on the engine's HTTP port at `host`, on a thread of its own,
+// waiting at most `wait`. Only a probe that timed out (no answer, or a connect that never
+// completes) is unanswered: any HTTP status, and a peer that closes, resets or refuses the
+// connection (an engine at its --max-connections cap closes a new one at once) within half the
+// wait, is a process that acts, not a hung one. Throws std::system_error when there is no thread
+// for it.
+EngineChild::HealthProbe engine_health_probe(std::string host, std::chrono::milliseconds wait);
 
 // How long serve's engines have to stop once signalled before they are killed: ChildProcess's
 // grace, or the drain they were given (--engine-arg=--shutdown-timeout N) and a margin for what

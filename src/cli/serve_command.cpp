@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -363,20 +362,12 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     child.kv_events = o.kv_events;
     child.start_timeout = std::chrono::seconds(o.engine_start_timeout_s);
     child.hang_timeout = std::chrono::seconds(o.engine_hang_seconds);
-    // Several probes within the hang timeout, each bounded by it: a hung engine accepts the
-    // connection (the kernel does) and never answers.
-    const auto probe_wait = std::min<std::chrono::milliseconds>(child.hang_timeout, kProbeWait);
+    // A hung engine accepts the connection (the kernel does) and never answers: each probe waits
+    // at most half the hang timeout, and they start a third of it apart, so that two fail within
+    // it (EngineChild kills on two at least: one slow answer under load is no hang).
+    const auto probe_wait = std::min<std::chrono::milliseconds>(child.hang_timeout / 2, kProbeWait);
     child.probe_interval = std::min<std::chrono::milliseconds>(child.hang_timeout / 3, kProbeWait);
-    child.probe = [&engine_address, probe_wait](const EnginePorts& ports) {
-      return std::async(std::launch::async, [host = engine_address, port = ports.http, probe_wait] {
-        try {
-          net::http_request(host, port, "GET", "/health", {}, {}, probe_wait);
-          return true;  // any status: a draining or failed engine answers, a hung one does not
-        } catch (const std::exception&) {
-          return false;
-        }
-      });
-    };
+    child.probe = engine_health_probe(engine_address, probe_wait);
     children.push_back(std::make_unique<EngineChild>(
         std::move(child),
         [&engine_args, role](const EnginePorts& ports) { return engine_args(role, ports); },
@@ -479,9 +470,10 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 7 * 24 * 3600));
   cmd->add_option("--engine-hang-seconds", o->engine_hang_seconds,
-                  "seconds a running engine's /health may go unanswered (it is stopped, frozen, "
-                  "deadlocked; a busy engine still answers) before serve kills it (SIGKILL) and "
-                  "restarts it on its ports, as it restarts an engine that died; 0: never")
+                  "seconds a running engine's /health may go unanswered (it is stopped or frozen: "
+                  "its HTTP server does not answer; a busy or draining engine still answers) "
+                  "before serve kills it (SIGKILL) and restarts it on its ports, as it restarts "
+                  "an engine that died; 0: never")
       ->capture_default_str()
       ->check(CLI::Range(0, 7 * 24 * 3600));
   cmd->add_option("--port", o->port, "gateway port (0: any free port)")

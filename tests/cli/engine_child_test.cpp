@@ -10,6 +10,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine_http.h"
+#include "net/scripted_server.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
 
@@ -196,6 +198,136 @@ TEST(EngineChild, AnEngineWhoseHealthGoesUnansweredForTheHangTimeoutIsKilledAndR
   const int before = probes;
   EXPECT_EQ(at(1h + 5s), EngineChild::State::kRunning);
   EXPECT_EQ(probes, before + 1) << "the restarted engine is probed as the first was";
+}
+
+// The fake engine of the probe tests: names its ports and runs until killed.
+std::vector<std::string> running_engine(const EnginePorts&) {
+  return {"sh", "-c",
+          "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+          "echo 'tandem engine: role both'; exec sleep 1000"};
+}
+
+// serve's probes wait at most half the hang timeout: one that serve reads as failed long after
+// it started (an answer slower than that under load, or a late tick of serve's) is no hang. The
+// engine is killed only once a second probe goes unanswered too.
+TEST(EngineChild, OneUnansweredProbeNeverKillsTheEngineHoweverLongItTook) {
+  const StopSignals signals;
+  std::vector<std::promise<bool>> answers;
+  EngineChild::Options o = options(5min);
+  o.hang_timeout = 1s;
+  o.probe_interval = 333ms;
+  o.probe = [&](const EnginePorts&) {
+    answers.emplace_back();
+    return answers.back().get_future();
+  };
+  EngineChild child(o, running_engine, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const pid_t pid = child.pid();
+  const auto t0 = EngineChild::Clock::now();
+  child.supervise(t0 + 1s);  // the first probe starts
+  ASSERT_EQ(answers.size(), 1u);
+  answers[0].set_value(false);
+  child.supervise(t0 + 10s);  // read 9 s after it started
+  EXPECT_EQ(child.state(), EngineChild::State::kRunning) << "one slow probe killed the engine";
+  EXPECT_EQ(child.pid(), pid);
+
+  child.supervise(t0 + 10s + 1ms);  // the second probe starts
+  ASSERT_EQ(answers.size(), 2u);
+  answers[1].set_value(false);
+  ::testing::internal::CaptureStderr();
+  child.supervise(t0 + 10s + 2ms);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(child.state(), EngineChild::State::kBackingOff);
+  EXPECT_THAT(said, HasSubstr("is hung: its /health has not answered for 9.0 s"));
+}
+
+// serve runs each probe on a thread of its own (std::async): with no thread to be had, that probe
+// is skipped and said, and serve goes on supervising (and probes again when the next one is due).
+TEST(EngineChild, AProbeWithNoThreadForItIsSkippedAndServeGoesOn) {
+  const StopSignals signals;
+  int probes = 0;
+  EngineChild::Options o = options(5min);
+  o.hang_timeout = 30s;
+  o.probe_interval = 5s;
+  o.probe = [&](const EnginePorts&) {
+    if (++probes == 1)
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                              "thread");
+    std::promise<bool> answer;
+    answer.set_value(true);
+    return answer.get_future();
+  };
+  EngineChild child(o, running_engine, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const auto t0 = EngineChild::Clock::now();
+  ::testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(child.supervise(t0 + 5s));
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("tandem serve: decode engine on port 4321: cannot probe its /health now "
+                        "(thread: "));
+  EXPECT_EQ(child.state(), EngineChild::State::kRunning);
+  child.supervise(t0 + 10s);
+  EXPECT_EQ(probes, 2);
+  EXPECT_EQ(child.state(), EngineChild::State::kRunning);
+}
+
+// A restart whose process cannot be started at all (fork fails; here its command line cannot be
+// made) says which ports it tries again and how often, as a restart whose engine fails does.
+TEST(EngineChild, ARestartWhoseProcessCannotStartSaysWhichPortsItTriesAgainAndHowOften) {
+  const StopSignals signals;
+  int starts = 0;
+  const auto args = [&](const EnginePorts& ports) {
+    if (++starts > 1) throw Error("cannot fork");
+    return running_engine(ports);
+  };
+  EngineChild child(options(5min), args, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const auto t0 = EngineChild::Clock::now();
+  ASSERT_EQ(::kill(child.pid(), SIGKILL), 0);
+  ASSERT_TRUE(eventually([&] {
+    child.supervise(t0);
+    return child.state() == EngineChild::State::kBackingOff;
+  }));
+  ::testing::internal::CaptureStderr();
+  child.supervise(t0 + 1h);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(child.state(), EngineChild::State::kBackingOff);
+  EXPECT_EQ(said,
+            "tandem serve: decode engine on port 4321 did not restart (cannot fork); trying again "
+            "on its ports (HTTP 4321) in 2.0 s, then every 30.0 s at most while it fails\n");
+}
+
+// serve's probe: an engine at its --max-connections cap accepts a connection and closes it (or
+// resets it) at once, a busy engine that is alive; only one that never answers (this listener
+// accepts nothing: the kernel completes the handshake, as for a stopped engine) is unanswered.
+TEST(EngineHealthProbe, OnlyAnEngineThatNeverAnswersIsUnanswered) {
+  net::ScriptedServer closes([](int&, int) {});  // closed unread when the script returns
+  net::ScriptedServer resets([](int& fd, int) {
+    const linger reset{.l_onoff = 1, .l_linger = 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    ::close(fd);
+    fd = -1;
+  });
+  net::ScriptedServer answers([](int& fd, int) {
+    std::string buffer;
+    net::ScriptedServer::read_head(fd, buffer);
+    net::ScriptedServer::write(fd, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n");
+  });
+  // A wait no passing test waits for: these answer at once.
+  const auto on = [](uint16_t port) {
+    EnginePorts ports;
+    ports.http = port;
+    return ports;
+  };
+  const auto probe = engine_health_probe("127.0.0.1", 60s);
+  EXPECT_TRUE(probe(on(closes.port())).get()) << "closed at once";
+  EXPECT_TRUE(probe(on(resets.port())).get()) << "reset at once";
+  EXPECT_TRUE(probe(on(answers.port())).get()) << "answered 503";
+
+  uint16_t port = 0;
+  const int silent = net::listen_on_loopback(port);
+  EXPECT_FALSE(engine_health_probe("127.0.0.1", 50ms)(on(port)).get());
+  ::close(silent);
 }
 
 // A restart that fails because another process took the engine's port since (the engine says
