@@ -47,14 +47,27 @@ std::string retrieved_model_id(std::string_view path) {
   return net::percent_decoded(id_part(path));
 }
 
-bool has_dot_segment(std::string_view id) {
+namespace {
+
+// Whether a "/"-separated segment of `id` is ".." or, with `dot`, ".".
+bool has_segment_of_dots(std::string_view id, bool dot) {
   for (size_t start = 0; start <= id.size();) {
     const size_t slash = std::min(id.find('/', start), id.size());
     const std::string_view segment = id.substr(start, slash - start);
-    if (segment == "." || segment == "..") return true;
+    if (segment == ".." || (dot && segment == ".")) return true;
     start = slash + 1;
   }
   return false;
+}
+
+}  // namespace
+
+bool has_dot_segment(std::string_view id) {
+  return has_segment_of_dots(id, true);
+}
+
+bool has_parent_segment(std::string_view id) {
+  return has_segment_of_dots(id, false);
 }
 
 net::HttpResponse model_retrieval(std::string_view path, const ModelCard& model) {

@@ -36,6 +36,11 @@ std::string retrieved_model_id(std::string_view path);
 // answers its own model's id whatever it is (`--model ./Qwen3-8B` serves "./Qwen3-8B", which the
 // Node client sends as .%2FQwen3-8B, one segment, relayed as it is).
 bool has_dot_segment(std::string_view id);
+// Whether `id` has a ".." segment. Relaying also refuses a decoded id with one: a proxy that
+// decodes %2F before it resolves segments (nginx's proxy_pass with a URI, Envoy unescaping
+// slashes) would turn x%2F..%2F..%2Fflush_cache into another route of the engine's. A "."
+// segment cannot climb out of /v1/models/.
+bool has_parent_segment(std::string_view id);
 // The answer to GET `path` of a server serving `model`: its object when retrieved_model_id(path)
 // is its id, else 404 model_not_found naming the id, as a request naming an unknown model is
 // answered.

@@ -120,8 +120,10 @@ void FrontEnd::add_routes(net::HttpServer& server) {
     // A path with a dot segment is not relayed, where the engine (or a proxy before it) would
     // resolve /v1/models/../x into another route: the path as sent, whose %2F separates no
     // segments (`--model ./Qwen3-8B` is retrieved as .%2FQwen3-8B, one segment, relayed as it is).
-    // A served_model_name is answered here, whatever it is.
-    if (!topo_.served_model_name.empty() || api::has_dot_segment(req.path)) {
+    // Nor one whose id, decoded, has a ".." segment (api::has_parent_segment says why). A
+    // served_model_name is answered here, whatever it is.
+    if (!topo_.served_model_name.empty() || api::has_dot_segment(req.path) ||
+        api::has_parent_segment(api::retrieved_model_id(req.path))) {
       ex->respond(api::model_retrieval(
           req.path, {topo_.served_model_name, exec_.unix_ms() / 1000, endpoints_.max_model_len()}));
       return;

@@ -86,6 +86,11 @@ TEST(ModelList, AnIdWithADotSegmentIsNotRelayedButAServedIdAnswersAsItIs) {
   EXPECT_EQ(m["id"], "./Qwen3-8B");
   for (const char* id : {"deepseek-ai/DeepSeek-V3", "v1.5/...", ".hidden/m", "m/..x", "a./b"})
     EXPECT_FALSE(has_dot_segment(id)) << id;
+  // Only ".." climbs out of /v1/models/.
+  for (const char* id : {"..", "x/../y", "../Qwen3-8B", "x/.."})
+    EXPECT_TRUE(has_parent_segment(id));
+  for (const char* id : {".", "./Qwen3-8B", "x/./y", "v1.5/...", "m/..x"})
+    EXPECT_FALSE(has_parent_segment(id)) << id;
 }
 
 // A model name that is no UTF-8 (refused at startup, but the list must not depend on that) is
