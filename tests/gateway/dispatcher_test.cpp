@@ -494,6 +494,8 @@ TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
   EXPECT_TRUE(client->complete());
   EXPECT_FALSE(client->aborted);
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+  // A cut before any [DONE] or error event is the engine's failure (toward its ejection).
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"a\"}"), 1);
 }
 
 TEST(Dispatcher, AStreamWholeUpToDoneIsCompleteThoughTheConnectionThenBroke) {
