@@ -88,6 +88,23 @@ EngineChild::Options options(std::chrono::milliseconds start_timeout) {
   return o;
 }
 
+// Supervises the engine at `now` until serve has seen its process end: its restart backs off.
+bool backs_off(EngineChild& child, EngineChild::Clock::time_point now) {
+  return eventually([&] {
+    child.supervise(now);
+    return child.state() == EngineChild::State::kBackingOff;
+  });
+}
+
+// Kills the running engine (SIGKILL, as a crash would end it) and supervises it until it backs off.
+::testing::AssertionResult killed_and_backing_off(EngineChild& child,
+                                                  EngineChild::Clock::time_point now) {
+  const pid_t pid = child.pid();
+  if (::kill(pid, SIGKILL) != 0) return ::testing::AssertionFailure() << "cannot kill pid " << pid;
+  if (!backs_off(child, now)) return ::testing::AssertionFailure() << "not backing off";
+  return ::testing::AssertionSuccess();
+}
+
 char process_state(pid_t pid) {  // /proc/PID/stat's third field: R, S, T (stopped), Z (zombie)
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string stat((std::istreambuf_iterator<char>(in)), {});
@@ -106,11 +123,7 @@ TEST(EngineChild, ARestartDoesNotWaitForTheEngineAndEndsAtItsDeadline) {
   EXPECT_EQ(child.ports().http, 4321);
   const pid_t first = child.pid();
 
-  ASSERT_EQ(::kill(first, SIGKILL), 0);
-  ASSERT_TRUE(eventually([&] {
-    child.supervise(t0);
-    return child.state() == EngineChild::State::kBackingOff;
-  }));
+  ASSERT_TRUE(killed_and_backing_off(child, t0));
   EXPECT_EQ(child.pid(), -1);
   child.supervise(t0 + 1h);  // the back-off is over: starts it, and returns
   ASSERT_EQ(child.state(), EngineChild::State::kStarting);
@@ -283,11 +296,7 @@ TEST(EngineChild, ARestartWhoseProcessCannotStartSaysWhichPortsItTriesAgainAndHo
   EngineChild child(options(5min), args, signals);
   ASSERT_EQ(child.state(), EngineChild::State::kRunning);
   const auto t0 = EngineChild::Clock::now();
-  ASSERT_EQ(::kill(child.pid(), SIGKILL), 0);
-  ASSERT_TRUE(eventually([&] {
-    child.supervise(t0);
-    return child.state() == EngineChild::State::kBackingOff;
-  }));
+  ASSERT_TRUE(killed_and_backing_off(child, t0));
   ::testing::internal::CaptureStderr();
   child.supervise(t0 + 1h);
   const std::string said = ::testing::internal::GetCapturedStderr();
@@ -347,17 +356,10 @@ TEST(EngineChild, ARestartThatFailsSaysWhichPortsItTriesAgainAndHowOften) {
   EngineChild child(options(5min), args, signals);
   ASSERT_EQ(child.state(), EngineChild::State::kRunning);
   const auto t0 = EngineChild::Clock::now();
-  ASSERT_EQ(::kill(child.pid(), SIGKILL), 0);
-  ASSERT_TRUE(eventually([&] {
-    child.supervise(t0);
-    return child.state() == EngineChild::State::kBackingOff;
-  }));
+  ASSERT_TRUE(killed_and_backing_off(child, t0));
   ::testing::internal::CaptureStderr();
   child.supervise(t0 + 1h);  // starts it again: it fails at once
-  const bool backed_off = eventually([&] {
-    child.supervise(t0 + 1h);
-    return child.state() == EngineChild::State::kBackingOff;
-  });
+  const bool backed_off = backs_off(child, t0 + 1h);
   const std::string said = ::testing::internal::GetCapturedStderr();
   std::filesystem::remove(marker);
   ASSERT_TRUE(backed_off) << said;
