@@ -51,6 +51,12 @@ Topology one_engine(Dialect dialect) {
   return t;
 }
 
+std::string list_of(const std::string& id, const std::string& owner) {
+  return json{{"object", "list"},
+              {"data", {{{"id", id}, {"object", "model"}, {"owned_by", owner}}}}}
+      .dump();
+}
+
 // The gateway's health parts as Gateway wires them: the topology's engines join first. The lines
 // said once are this monitor's, or `shared`'s (replicas of one process).
 struct Monitor {
@@ -86,6 +92,17 @@ struct Monitor {
     ASSERT_TRUE(engines.answer(host, "/v1/models", status, list));
     clock.run_ready();
   }
+  // The gateway starts, and `first` of its engines passes its first check listing the model.
+  void started_with_checked(const std::string& first, const std::string& owner = "vllm") {
+    health.start();
+    clock.run_ready();
+    checked(first, 200, list_of("m", owner));
+  }
+  // Engines join while the gateway runs: their first probes start at once.
+  void join(const std::vector<std::string>& names) {
+    for (const auto& name : names) endpoints.add(false, engine(name));
+    clock.run_ready();
+  }
 
   Topology topo;
   SaidOnce said;
@@ -99,12 +116,6 @@ struct Monitor {
   HealthMonitor health;
   int changes = 0;
 };
-
-std::string list_of(const std::string& id, const std::string& owner) {
-  return json{{"object", "list"},
-              {"data", {{{"id", id}, {"object", "model"}, {"owned_by", owner}}}}}
-      .dump();
-}
 
 // ------------------------------------------------------------------------ the model list
 
@@ -283,13 +294,9 @@ TEST(HealthMonitor, AnEngineThatJoinsTakesNoRequestBeforeItsFirstCheckEnded) {
 // timeout and it is admitted (asked again at its next probe).
 TEST(HealthMonitor, AnEngineThatJoinsIsAdmittedWhenItsFirstCheckEndsWhateverItsAnswer) {
   Monitor m(one_engine(Dialect::kAuto));
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "tandem"));
+  m.started_with_checked("a", "tandem");
 
-  m.endpoints.add(false, engine("no-list"));
-  m.endpoints.add(false, engine("silent"));
-  m.clock.run_ready();
+  m.join({"no-list", "silent"});
   m.checked("no-list", 404, R"({"error": "Not Found"})");
   EXPECT_FALSE(m.state("no-list").unchecked);
   EXPECT_TRUE(m.state("no-list").healthy);
@@ -325,8 +332,7 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
   m.checked("b", 200, list_of("m", "vllm"));
   m.endpoints.drain(m.id_of("a"));
 
-  m.endpoints.add(false, engine("loading"));
-  m.clock.run_ready();
+  m.join({"loading"});
   const auto probes = m.engines.open("loading.engines", "/health");
   ASSERT_EQ(probes.size(), 1u);
   const int before = m.changes;
@@ -364,12 +370,8 @@ TEST(HealthMonitor, AnEngineThatJoinsAndFailsItsFirstProbeIsAdmittedOnlyOnceAPro
 // list naming another model leaves it not admitted, and no ejection is counted for it.
 TEST(HealthMonitor, TheLinesOfAJoiningEngineWhoseFirstProbeFailedSayItIsNotAdmitted) {
   Monitor m(one_engine(Dialect::kVllm));
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "vllm"));
-  m.endpoints.add(false, engine("loading"));
-  m.endpoints.add(false, engine("silent"));
-  m.clock.run_ready();
+  m.started_with_checked("a");
+  m.join({"loading", "silent"});
 
   ::testing::internal::CaptureStderr();
   const auto probes = m.engines.open("loading.engines", "/health");
@@ -422,8 +424,7 @@ TEST(HealthMonitor, TheNoEngineAnswerCountsAJoiningEngineThatFailedItsProbeAsNot
   Monitor m(one_engine(Dialect::kVllm));
   m.health.start();
   m.clock.run_ready();
-  m.endpoints.add(false, engine("loading"));
-  m.clock.run_ready();
+  m.join({"loading"});
   ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
   ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
   m.clock.run_ready();
@@ -448,11 +449,8 @@ TEST(HealthMonitor, AJoiningEngineAdmittedAfterAFailedProbeHasNoSlowStartAsARead
   t.health.slow_start = milliseconds(10000);
   t.health.probe_interval = milliseconds(60000);  // no probe while the ramp is looked at
   Monitor m(t);
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "vllm"));
-  m.endpoints.add(false, engine("loading"));
-  m.clock.run_ready();
+  m.started_with_checked("a");
+  m.join({"loading"});
   ASSERT_TRUE(m.engines.answer("loading.engines", "/health", 503, ""));
   m.clock.run_ready();
   for (int i = 0; i < m.topo.health.failures_to_eject; ++i) {  // a is ejected meanwhile
@@ -487,9 +485,7 @@ TEST(HealthMonitor, AnEjectedEnginesFailedProbesAreCountedApartAndItsReadmission
   Topology t = one_engine(Dialect::kVllm);
   t.decode.endpoints = {engine("a"), engine("b")};
   Monitor m(t);
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("b", 200, list_of("m", "vllm"));
+  m.started_with_checked("b");
   ::testing::internal::CaptureStderr();
   ASSERT_TRUE(m.engines.answer("a.engines", "/health", 503, ""));
   m.clock.run_ready();
@@ -536,12 +532,9 @@ TEST(HealthMonitor, AJoiningEngineThatServedAnotherModelIsAdmittedNotReadmittedO
   Topology t = one_engine(Dialect::kVllm);
   t.health.slow_start = milliseconds(10000);
   Monitor m(t);
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "vllm"));
+  m.started_with_checked("a");
   m.endpoints.drain(m.id_of("a"));
-  m.endpoints.add(false, engine("late"));
-  m.clock.run_ready();
+  m.join({"late"});
   ::testing::internal::CaptureStderr();
   m.checked("late", 200, list_of("other", "vllm"));
   EXPECT_FALSE(m.state("late").healthy);
@@ -593,12 +586,9 @@ TEST(HealthMonitor, AJoiningEngineThatServedAnotherModelIsAdmittedNotReadmittedO
 // serving another model (alive), which sent an operator to its model list.
 TEST(HealthMonitor, TheNoEngineAnswerCountsAnEngineThatServedAnotherModelAndDiedAsDown) {
   Monitor m(one_engine(Dialect::kVllm));
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "vllm"));
+  m.started_with_checked("a");
   m.endpoints.drain(m.id_of("a"));
-  m.endpoints.add(false, engine("late"));
-  m.clock.run_ready();
+  m.join({"late"});
   ::testing::internal::CaptureStderr();
   m.checked("late", 200, list_of("other", "vllm"));
   m.clock.advance_by(m.topo.health.probe_interval);
@@ -615,9 +605,7 @@ TEST(HealthMonitor, TheNoEngineAnswerCountsAnEngineThatServedAnotherModelAndDied
 // address of an engine that passed its checks is not held again, while a new engine is.
 TEST(HealthMonitor, AnEngineAReloadReplacesWithNewSettingsIsNotHeldAgain) {
   Monitor m(one_engine(Dialect::kVllm));
-  m.health.start();
-  m.clock.run_ready();
-  m.checked("a", 200, list_of("m", "vllm"));
+  m.started_with_checked("a");
   Topology next = m.topo;
   next.decode.max_in_flight = 8;
   next.decode.endpoints = {engine("a"), engine("new")};
