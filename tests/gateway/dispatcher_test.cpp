@@ -4358,33 +4358,23 @@ TEST(Dispatcher, AnArrivalLargerThanTheByteBoundByItselfIsRefusedAtOnceSheddingN
 // prefill's kv_transfer_params) besides the bodies it came with: the byte bound counts it. Only
 // the bodies it came with were counted.
 TEST(Dispatcher, ASequentialDecodeStageWaitingCountsItsDecodeBodyTowardTheByteBound) {
-  Cluster c(
-      disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1), engine("gone", 0, 1)}));
-  // Both prompts are prefilled while two decode engines have room; one of them is then drained,
-  // and the first decode leg fills the other.
-  auto running = c.send();
-  auto waiting = c.send();
-  auto prefills = c.engines.open("/v1/completions");
-  ASSERT_EQ(prefills.size(), 2u);
-  const size_t prefill_body = prefills[1]->request.body.size();
-  ASSERT_TRUE(c.dispatcher.remove_endpoint("gone", nullptr));
-  FakeEngines::answer(*prefills[0], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
-  c.clock.run_ready();
-  FakeEngines::answer(*prefills[1], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
-  c.clock.run_ready();
+  DecodeStageWaiting s(Dialect::kVllm);
+  Cluster& c = s.c;
+  // The second prefill leg is the waiting request's (the first decode leg came after both).
+  const size_t prefill_body = c.engines.all("/v1/completions").at(1)->request.body.size();
   ASSERT_EQ(c.dispatcher.waiting(), 1u);
   const size_t queued = c.dispatcher.queued_body_bytes();
   auto first_decode = c.engines.open("/v1/completions").at(0);
   FakeEngines::answer(*first_decode, 200, completion_answer("one"));
   c.clock.run_ready();
-  EXPECT_EQ(running->status, 200);
+  EXPECT_EQ(s.running->status, 200);
   EXPECT_EQ(c.dispatcher.queued_body_bytes(), 0u);
   auto second_decode = c.engines.open("/v1/completions").at(0);
   // Its prefill and decode legs' bodies (and its client's body besides) waited with it.
   EXPECT_GE(queued, prefill_body + second_decode->request.body.size());
   FakeEngines::answer(*second_decode, 200, completion_answer("two"));
   c.clock.run_ready();
-  EXPECT_EQ(waiting->status, 200);
+  EXPECT_EQ(s.waiting->status, 200);
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
