@@ -1129,6 +1129,19 @@ void expect_no_engine_blamed(const Cluster& c) {
   }
 }
 
+// A stream whose engine ended it with an error event reached the client whole (its head was
+// 200), and the request is counted and recorded with the event's `status`.
+void expect_streamed_whole_and_recorded(Cluster& c, const FakeClient& client,
+                                        const std::string& events, int status) {
+  EXPECT_EQ(client.status, 200);
+  EXPECT_EQ(client.streamed, events);
+  EXPECT_TRUE(client.complete());
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"" + std::to_string(status) + "\"}"),
+            1);
+  const json record = c.dispatcher.dashboard_state().at("recent").back();
+  EXPECT_EQ(record.value("status", 0), status) << record;
+}
+
 // A parallel attempt's client error decided it: its two legs were all that was sent, nothing was
 // retried, the request was recorded 400, and no engine was blamed.
 void expect_decided_by_the_clients_error(Cluster& c) {
@@ -1219,12 +1232,7 @@ TEST(Dispatcher, AnInvalidRequestErrorMidStreamIsRelayedButNotCountedAgainstTheE
   const std::string events = kTokenEvent + kNoTokenStream;
   FakeEngines::stream(*c.engines.open("/v1/completions").at(0), events);
   c.clock.run_ready();
-  EXPECT_EQ(client->status, 200);
-  EXPECT_EQ(client->streamed, events);
-  EXPECT_TRUE(client->complete());
-  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"400\"}"), 1);
-  const json record = c.dispatcher.dashboard_state().at("recent").back();
-  EXPECT_EQ(record.value("status", 0), 400) << record;
+  expect_streamed_whole_and_recorded(c, *client, events, 400);
   expect_no_engine_blamed(c);
 }
 
@@ -1574,12 +1582,7 @@ TEST(Dispatcher, ARateLimitMidStreamIsRecordedAndCountedAsTheEnginesRefusal) {
       kTokenEvent + net::sse_event(kRateLimited) + std::string(net::kSseDone);
   FakeEngines::stream(*call, events);
   c.clock.run_ready();
-  EXPECT_EQ(client->status, 200);
-  EXPECT_EQ(client->streamed, events);
-  EXPECT_TRUE(client->complete());
-  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"429\"}"), 1);
-  const json record = c.dispatcher.dashboard_state().at("recent").back();
-  EXPECT_EQ(record.value("status", 0), 429) << record;
+  expect_streamed_whole_and_recorded(c, *client, events, 429);
   EXPECT_EQ(c.endpoint("a")["healthy"], true);
   EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
   EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"a\"}"),
