@@ -217,12 +217,13 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
           ? 0
           : queued_body_bytes_ + arriving_bytes - max_bytes;
   if (to_free == 0 && bytes_to_free == 0) return {};
-  const std::string full =
-      to_free > 0
-          ? "the gateway queue is full (" + std::to_string(max) + " requests waiting); retry later"
-          : "the gateway queue is full (" + std::to_string(queued_body_bytes_) +
-                " bytes of request bodies waiting, max_queued_body_bytes " +
-                std::to_string(max_bytes) + "); retry later";
+  // Which bound is met, said once for the arrival refused and for the work shed for it.
+  const std::string bound_met =
+      to_free > 0 ? "the gateway queue is full (" + std::to_string(max) + " requests waiting)"
+                  : "the gateway queue is full (" + std::to_string(queued_body_bytes_) +
+                        " bytes of request bodies waiting, max_queued_body_bytes " +
+                        std::to_string(max_bytes) + ")";
+  const std::string full = bound_met + "; retry later";
   // Nothing ranks below the last class (or the only one, without classes): no scan of the queue.
   if (static_cast<size_t>(arriving_class) + 1 >= topo_.priority.classes.size()) return full;
   // Only work never sent to an engine gives up its place: a request waiting to decode, or for a
@@ -286,10 +287,7 @@ std::string Dispatcher::make_room(int arriving_class, size_t arriving_bytes) {
   // must not still count against the bound.
   for (const RequestPtr& r : shed) remove_waiting(r);
   const std::string why =
-      (to_free > 0 ? "the gateway queue is full (" + std::to_string(max) + " requests waiting)"
-                   : "the gateway queue is full (max_queued_body_bytes " +
-                         std::to_string(max_bytes) + ")") +
-      " and this request was shed for higher-priority traffic; retry later";
+      bound_met + " and this request was shed for higher-priority traffic; retry later";
   for (const RequestPtr& r : shed) answer_overload(r, 429, why);
   return {};
 }
